@@ -1,0 +1,323 @@
+/*
+ * epx — expert-parallel exchange for Mixture-of-Experts.
+ *
+ * The whole public C API. Plain C11, usable from C++ (extern "C").
+ *
+ * Objects:
+ *   epx_group_t   ranks that talk to each other (rank, world size, backend, device)
+ *   epx_buffer_t  communication memory sized from one MoE shape; runs the operations
+ *   epx_handle_t  the routing of one dispatch, reused by combine and cached dispatch
+ *
+ * Conventions:
+ *   - Every entry point returns epx_status_t. Nothing asserts, aborts or exits.
+ *   - Outputs are written only on success. epx_last_error() gives a message for the
+ *     last failure on the calling thread (which rank, which stage, what was wrong).
+ *   - Config and argument structs start with `size_t size`; initialise them with the
+ *     matching *_INIT macro. A size the library does not know is EPX_ERR_INVALID_ARG.
+ *   - Operations on a buffer are collective: every rank of the group calls them in the
+ *     same order. If one rank fails inside an operation, the others return
+ *     EPX_ERR_REMOTE naming that rank (or EPX_ERR_TIMEOUT if it stops answering) and
+ *     the buffer is then unusable (every later call returns the first error).
+ *   - `stream` is a cudaStream_t for the CUDA backend (NULL = default stream) and is
+ *     ignored by the host backend.
+ */
+#ifndef EPX_H
+#define EPX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+#define EPX_VERSION_CODE (EPX_VERSION_MAJOR * 10000 + EPX_VERSION_MINOR * 100 + EPX_VERSION_PATCH)
+
+/* Library version at run time (EPX_VERSION_CODE of the built library). */
+int epx_version(void);
+
+/* ---------------------------------------------------------------- status */
+
+/* X(name, value, description). One list: the enum, names and strings come from it. */
+#define EPX_STATUS_MAP(X)                                                              \
+    X(SUCCESS, 0, "success")                                                           \
+    X(ERR_INVALID_ARG, 1, "invalid argument")                                          \
+    X(ERR_INVALID_STATE, 2, "call not valid in the current state")                     \
+    X(ERR_OUT_OF_MEMORY, 3, "out of memory")                                           \
+    X(ERR_CAPACITY, 4, "more tokens than the buffer or output was sized for")          \
+    X(ERR_UNSUPPORTED, 5, "not supported by this backend or build")                    \
+    X(ERR_SYSTEM, 6, "operating system call failed")                                   \
+    X(ERR_CUDA, 7, "CUDA call failed")                                                 \
+    X(ERR_NVSHMEM, 8, "NVSHMEM call failed")                                           \
+    X(ERR_BOOTSTRAP, 9, "rendezvous between ranks failed")                             \
+    X(ERR_TIMEOUT, 10, "a peer rank did not answer within the timeout")                \
+    X(ERR_REMOTE, 11, "a peer rank failed or exited")                                  \
+    X(ERR_INTERNAL, 12, "internal error (a bug in epx)")
+
+typedef enum {
+#define EPX_STATUS_ENUM_(name, value, text) EPX_##name = value,
+    EPX_STATUS_MAP(EPX_STATUS_ENUM_)
+#undef EPX_STATUS_ENUM_
+} epx_status_t;
+
+/* "invalid argument", ...; "unknown status" for values outside the list. */
+const char *epx_status_string(epx_status_t status);
+/* "EPX_ERR_INVALID_ARG", ... */
+const char *epx_status_name(epx_status_t status);
+/* Message of the last failure on this thread ("" if none). Valid until the next call. */
+const char *epx_last_error(void);
+
+/* ---------------------------------------------------------------- tensors */
+
+typedef enum {
+    EPX_DTYPE_INVALID = 0,
+    EPX_DTYPE_BF16 = 1,
+    EPX_DTYPE_FP8_E4M3 = 2,
+    EPX_DTYPE_FP32 = 3,
+    EPX_DTYPE_INT64 = 4,
+    EPX_DTYPE_INT32 = 5,
+    EPX_DTYPE_BOOL = 6, /* one byte, 0 or 1 */
+} epx_dtype_t;
+
+/* Bytes per element (0 for EPX_DTYPE_INVALID or unknown values). */
+size_t epx_dtype_size(epx_dtype_t dtype);
+const char *epx_dtype_name(epx_dtype_t dtype);
+
+#define EPX_MAX_DIMS 3
+
+/*
+ * A tensor view: pointer, dtype, shape, strides in elements.
+ * strides[i] == 0 for every i means contiguous (row major). Rows may be strided
+ * (strides[0] >= row length); the innermost dimension must be contiguous.
+ * data == NULL means "not given" for optional arguments.
+ */
+typedef struct {
+    void *data;
+    epx_dtype_t dtype;
+    int32_t ndim;
+    int64_t shape[EPX_MAX_DIMS];
+    int64_t strides[EPX_MAX_DIMS];
+} epx_tensor_t;
+
+#define EPX_TENSOR_NONE {NULL, EPX_DTYPE_INVALID, 0, {0, 0, 0}, {0, 0, 0}}
+
+/* Convenience constructors for contiguous tensors. */
+epx_tensor_t epx_tensor_1d(void *data, epx_dtype_t dtype, int64_t n);
+epx_tensor_t epx_tensor_2d(void *data, epx_dtype_t dtype, int64_t rows, int64_t cols);
+
+/* ---------------------------------------------------------------- groups */
+
+typedef struct epx_group *epx_group_t;
+typedef struct epx_buffer *epx_buffer_t;
+typedef struct epx_handle *epx_handle_t;
+
+typedef enum {
+    EPX_BACKEND_AUTO = 0, /* cuda when built with CUDA and a GPU is visible, else host */
+    EPX_BACKEND_HOST = 1, /* CPU: ranks are processes sharing POSIX shared memory */
+    EPX_BACKEND_CUDA = 2, /* GPU: CUDA IPC inside a node, NVSHMEM across nodes */
+} epx_backend_t;
+
+const char *epx_backend_name(epx_backend_t backend);
+
+/* Out-of-band rendezvous identity, made by one rank and given to all (text inside). */
+#define EPX_UNIQUE_ID_BYTES 128
+typedef struct {
+    char internal[EPX_UNIQUE_ID_BYTES];
+} epx_unique_id_t;
+
+/* Make an id: rank 0's address (EPX_BOOTSTRAP_ADDR or this host) and a free port. */
+epx_status_t epx_get_unique_id(epx_unique_id_t *id);
+/* The id as printable text (for an environment variable) and back. */
+epx_status_t epx_unique_id_to_string(const epx_unique_id_t *id, char *text, size_t text_size);
+epx_status_t epx_unique_id_from_string(const char *text, epx_unique_id_t *id);
+
+/*
+ * Caller-supplied collectives (for frameworks that have their own process group).
+ * allgather: every rank contributes `bytes` at `send`; `recv` receives world_size * bytes,
+ * rank i's contribution at offset i * bytes. Return 0 on success, nonzero on failure.
+ */
+typedef struct {
+    int (*allgather)(void *ctx, const void *send, void *recv, size_t bytes);
+    int (*barrier)(void *ctx);
+    void *ctx;
+} epx_bootstrap_callbacks_t;
+
+typedef struct {
+    size_t size;                 /* sizeof(epx_group_config_t) */
+    int rank;                    /* 0..world_size-1 */
+    int world_size;              /* >= 1 */
+    epx_backend_t backend;       /* default EPX_BACKEND_AUTO */
+    int device;                  /* CUDA device; -1 = local rank modulo visible devices */
+    int ranks_per_node;          /* 0 = all ranks on one node (NVLink/IPC domain) */
+    const epx_unique_id_t *unique_id;             /* either this ... */
+    const epx_bootstrap_callbacks_t *callbacks;   /* ... or this */
+    int64_t timeout_ms;          /* 0 = EPX_TIMEOUT_MS */
+} epx_group_config_t;
+
+#define EPX_GROUP_CONFIG_INIT {sizeof(epx_group_config_t), 0, 1, EPX_BACKEND_AUTO, -1, 0, NULL, NULL, 0}
+
+/* Collective: every rank calls it with the same world size and id (or callbacks). */
+epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *group);
+/*
+ * From the environment `epx launch` sets (EPX_RANK, EPX_WORLD_SIZE, EPX_UNIQUE_ID,
+ * EPX_LOCAL_RANK). A process started without a launcher becomes a group of one.
+ */
+epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group);
+epx_status_t epx_group_destroy(epx_group_t group);
+
+typedef struct {
+    int rank;
+    int world_size;
+    int local_rank;
+    int ranks_per_node;
+    epx_backend_t backend; /* resolved, never AUTO */
+    int device;            /* -1 for the host backend */
+} epx_group_info_t;
+
+epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info);
+/* Collective barrier with the group's timeout (outside any buffer operation). */
+epx_status_t epx_group_barrier(epx_group_t group);
+
+/* ---------------------------------------------------------------- buffers */
+
+typedef struct {
+    size_t size;                  /* sizeof(epx_buffer_config_t) */
+    int64_t max_tokens_per_rank;  /* most input tokens any rank passes to one call */
+    int64_t hidden;               /* elements per token row */
+    int num_experts;              /* global count, multiple of world size */
+    int num_topk;                 /* experts per token, 1..num_experts */
+    epx_dtype_t dispatch_dtype;   /* BF16 (default) or FP8_E4M3 (+ fp32 scales) */
+    int num_sms;                  /* SMs per rank for GPU kernels; 0 = EPX_NUM_SMS */
+} epx_buffer_config_t;
+
+#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0}
+
+/* Bytes of communication memory one rank allocates for this config (no allocation). */
+epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
+                             size_t *bytes_per_rank);
+/* Collective: allocate and map the buffer on every rank. */
+epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer);
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
+
+/*
+ * The first asynchronous failure seen by the buffer's operations (device-side timeout,
+ * a peer that failed), EPX_SUCCESS if none. `message` (may be NULL) receives text that
+ * names the rank and the stage.
+ */
+epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char *message,
+                                 size_t message_size);
+
+/* ---------------------------------------------------------------- layout */
+
+/* Local: count tokens per rank and expert for `topk_idx`. No communication. */
+typedef struct {
+    size_t size;
+    epx_tensor_t topk_idx;              /* in  [tokens, num_topk] int64, -1 = none */
+    epx_tensor_t num_tokens_per_rank;   /* out [world_size] int32 */
+    epx_tensor_t num_tokens_per_expert; /* out [num_experts] int32 */
+    epx_tensor_t is_token_in_rank;      /* out [tokens, world_size] bool (optional) */
+} epx_layout_args_t;
+
+#define EPX_LAYOUT_ARGS_INIT \
+    {sizeof(epx_layout_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE}
+
+epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_t *args,
+                                     void *stream);
+
+/* ---------------------------------------------------------------- normal mode */
+
+/* Dispatch flags. */
+#define EPX_DISPATCH_WORST_CASE 0x1u /* no host sync: outputs sized for the worst case */
+
+typedef struct {
+    size_t size;
+    epx_tensor_t x;            /* [tokens, hidden] bf16, or fp8 e4m3 */
+    epx_tensor_t x_scales;     /* [tokens, hidden/128] fp32 when x is fp8 */
+    epx_tensor_t topk_idx;     /* [tokens, num_topk] int64; not needed in cached mode */
+    epx_tensor_t topk_weights; /* [tokens, num_topk] fp32, optional */
+    epx_handle_t handle;       /* non-NULL: cached mode, reuse this routing */
+    int expert_alignment;      /* per-expert counts rounded up to this; 0 or 1 = none */
+    uint32_t flags;            /* EPX_DISPATCH_* */
+    /*
+     * Optional outputs. data == NULL: the result is a view into the buffer, valid until
+     * this rank's next operation on the buffer. Given: rows >= received tokens (or the
+     * worst case, max_tokens_per_rank * world_size, with EPX_DISPATCH_WORST_CASE).
+     */
+    epx_tensor_t recv_x;            /* [rows, hidden] same dtype as x */
+    epx_tensor_t recv_x_scales;     /* [rows, hidden/128] fp32 */
+    epx_tensor_t recv_topk_idx;     /* [rows, num_topk] int64, local expert ids or -1 */
+    epx_tensor_t recv_topk_weights; /* [rows, num_topk] fp32, 0 where idx is -1 */
+} epx_dispatch_args_t;
+
+#define EPX_DISPATCH_ARGS_INIT                                                            \
+    {sizeof(epx_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,      \
+     EPX_TENSOR_NONE, NULL, 0, 0u, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,     \
+     EPX_TENSOR_NONE}
+
+typedef struct {
+    size_t size;
+    int64_t num_recv_tokens; /* rows received (the valid prefix of the outputs) */
+    epx_tensor_t recv_x;
+    epx_tensor_t recv_x_scales;     /* data NULL when x was bf16 */
+    epx_tensor_t recv_topk_idx;     /* data NULL when no topk_idx/handle routing given */
+    epx_tensor_t recv_topk_weights; /* data NULL when topk_weights not given */
+    /* [num_local_experts] int32 tokens per local expert, rounded up to the alignment.
+     * Host memory owned by the handle (valid until the handle is destroyed). */
+    const int32_t *num_recv_tokens_per_expert;
+    int num_local_experts;
+    /* The routing of this call. New handle in fresh mode (the caller destroys it);
+     * the given handle in cached mode. */
+    epx_handle_t handle;
+} epx_dispatch_result_t;
+
+#define EPX_DISPATCH_RESULT_INIT                                                             \
+    {sizeof(epx_dispatch_result_t), 0, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,    \
+     EPX_TENSOR_NONE, NULL, 0, NULL}
+
+/*
+ * Collective. Rank r receives every token of every rank that has at least one expert
+ * on r, once, ordered by source rank then source token index.
+ */
+epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                          epx_dispatch_result_t *result, void *stream);
+
+typedef struct {
+    size_t size;
+    epx_handle_t handle;           /* from the dispatch whose route is reversed */
+    epx_tensor_t x;                /* [num_recv_tokens, hidden] bf16, rows in recv order */
+    epx_tensor_t topk_weights;     /* [num_recv_tokens, num_topk] fp32, optional */
+    epx_tensor_t out_x;            /* [tokens, hidden] bf16, tokens = dispatch's input */
+    epx_tensor_t out_topk_weights; /* [tokens, num_topk] fp32, needed iff topk_weights */
+} epx_combine_args_t;
+
+#define EPX_COMBINE_ARGS_INIT                                                              \
+    {sizeof(epx_combine_args_t), NULL, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
+     EPX_TENSOR_NONE}
+
+/*
+ * Collective. out_x[t] = sum over the ranks r that received token t of x_r[row of t]
+ * (fp32 accumulation, bf16 out); tokens sent nowhere get zeros.
+ */
+epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
+
+/* ---------------------------------------------------------------- handles */
+
+typedef struct {
+    int64_t num_tokens;      /* tokens this rank passed to dispatch */
+    int64_t num_recv_tokens; /* tokens this rank received */
+    int num_local_experts;
+    int expert_alignment;
+} epx_handle_info_t;
+
+epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info);
+epx_status_t epx_handle_destroy(epx_handle_t handle);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_H */

@@ -1,0 +1,114 @@
+/*
+ * The library's internal objects and the interface every backend implements.
+ * Entry points (src/epx.c) validate arguments, then call the backend through
+ * epx__backend_ops_t; backends may rely on arguments being checked.
+ */
+#ifndef EPX_INTERNAL_H
+#define EPX_INTERNAL_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/core.h"
+#include "epx.h"
+
+struct epx_group {
+    int rank;
+    int world_size;
+    int local_rank;
+    int ranks_per_node; /* resolved: world_size when the config said 0 */
+    epx_backend_t backend; /* resolved, never AUTO */
+    int device;            /* -1 for host */
+    int64_t timeout_ms;    /* resolved: never 0 */
+    epx__bootstrap_t *bootstrap;
+};
+
+typedef struct epx__backend_ops epx__backend_ops_t;
+
+struct epx_buffer {
+    epx_group_t group;
+    epx_buffer_config_t config; /* num_sms resolved, never 0 */
+    int num_local_experts;      /* num_experts / world_size */
+    const epx__backend_ops_t *ops;
+    void *impl; /* backend state */
+    /* First failure of a collective operation; later calls return it. */
+    _Atomic int async_error;
+    char async_message[512];
+};
+
+/*
+ * The routing of one dispatch, on host memory (every backend keeps this copy; a GPU
+ * backend adds its device copies in backend_state).
+ */
+struct epx_handle {
+    epx_buffer_t buffer;    /* handles only work with the buffer that made them */
+    int world_size;
+    int rank;
+    int num_local_experts;
+    int expert_alignment;
+    int64_t num_tokens;       /* tokens this rank sent (dispatch input rows) */
+    int64_t num_recv_tokens;  /* rows this rank received */
+    /* [num_tokens * world_size]: row of token t at rank r, or -1 if t was not sent to r. */
+    int32_t *send_row;
+    /* [world_size * world_size]: tokens rank s sent to rank r at [s * world_size + r]. */
+    int32_t *rank_counts;
+    /* [num_recv_tokens]: source rank and source token index of each received row. */
+    int32_t *recv_src_rank;
+    int32_t *recv_src_token;
+    /* [num_local_experts]: rows per local expert, rounded up to expert_alignment. */
+    int32_t *num_recv_per_expert;
+    void *backend_state;
+    void (*backend_free)(struct epx_handle *handle);
+};
+
+/* Allocate a handle with its arrays sized (contents zeroed); NULL on out of memory. */
+struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
+                                     int64_t num_recv_tokens);
+void epx__handle_free(struct epx_handle *handle);
+
+struct epx__backend_ops {
+    const char *name;
+    /* Bytes one rank allocates for this config. */
+    epx_status_t (*buffer_size)(epx_group_t group, const epx_buffer_config_t *config,
+                                size_t *bytes);
+    /* Collective: fill buffer->impl. The generic fields of `buffer` are set. */
+    epx_status_t (*buffer_create)(epx_buffer_t buffer);
+    void (*buffer_destroy)(epx_buffer_t buffer);
+    /*
+     * Tell the peers that this rank failed inside a collective operation (so their
+     * waits end with EPX_ERR_REMOTE naming this rank instead of a timeout).
+     */
+    void (*abort)(epx_buffer_t buffer, epx_status_t status, const char *message);
+    epx_status_t (*layout)(epx_buffer_t buffer, const epx_layout_args_t *args, void *stream);
+    epx_status_t (*dispatch)(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                             epx_dispatch_result_t *result, void *stream);
+    epx_status_t (*combine)(epx_buffer_t buffer, const epx_combine_args_t *args,
+                            void *stream);
+};
+
+extern const epx__backend_ops_t epx__host_backend;
+#ifdef EPX_WITH_CUDA
+extern const epx__backend_ops_t epx__cuda_backend;
+/* Nonzero when a CUDA device is visible (used by EPX_BACKEND_AUTO). */
+int epx__cuda_device_count(void);
+#endif
+
+/* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
+void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
+
+/* ---------------------------------------------------------------- validation */
+
+/* Element at [i][j] of a 2-d tensor with its strides resolved (contiguous if 0). */
+int64_t epx__tensor_row_stride(const epx_tensor_t *tensor);
+int epx__tensor_given(const epx_tensor_t *tensor);
+
+/*
+ * Check a tensor argument: given, dtype, ndim, shape (a dimension of -1 = any), inner
+ * dimension contiguous. Errors name the argument: "dispatch: x has dtype fp32, expected
+ * bf16 or fp8_e4m3".
+ */
+epx_status_t epx__check_tensor(const char *op, const char *name, const epx_tensor_t *tensor,
+                               epx_dtype_t dtype, int ndim, int64_t dim0, int64_t dim1);
+
+#endif /* EPX_INTERNAL_H */

@@ -1,0 +1,79 @@
+/*
+ * Deterministic MoE inputs and the pure reference of DESIGN.md section 2 (the oracle).
+ * Shared by the tests and `epx bench --check`. Every rank can regenerate every other
+ * rank's inputs from the seed, so each rank computes its own expected results locally,
+ * independently of any backend.
+ */
+#ifndef EPX_MOE_CASE_H
+#define EPX_MOE_CASE_H
+
+#include <stdint.h>
+
+#include "epx.h"
+
+typedef enum {
+    MOE_ROUTING_RANDOM = 0,        /* k distinct random experts per token */
+    MOE_ROUTING_ONE_EXPERT = 1,    /* every token to expert 0 only (rest -1) */
+    MOE_ROUTING_LOCAL_FIRST = 2,   /* random, but the first choice on the home rank */
+} moe_routing_t;
+
+typedef struct {
+    int world_size;
+    int64_t num_tokens;      /* tokens per rank (see empty_rank) */
+    int64_t hidden;
+    int num_experts;
+    int num_topk;
+    epx_dtype_t dtype;       /* BF16 or FP8_E4M3 */
+    int expert_alignment;
+    uint64_t seed;
+    moe_routing_t routing;
+    double drop_fraction;    /* fraction of top-k entries set to -1 */
+    int empty_rank;          /* this rank passes 0 tokens; -1 = none */
+} moe_case_t;
+
+/* One rank's inputs, host memory. x is bf16 (uint16 bits) or fp8 bytes. */
+typedef struct {
+    int64_t num_tokens;
+    void *x;              /* [num_tokens, hidden] */
+    float *x_scales;      /* [num_tokens, hidden/128] when fp8, else NULL */
+    int64_t *topk_idx;    /* [num_tokens, num_topk] */
+    float *topk_weights;  /* [num_tokens, num_topk] */
+} moe_inputs_t;
+
+/* Returns 0 on success, -1 on out of memory. Deterministic in (case, rank). */
+int moe_inputs_make(const moe_case_t *c, int rank, moe_inputs_t *in);
+void moe_inputs_free(moe_inputs_t *in);
+
+/* What rank `rank` must receive from dispatch (DESIGN.md section 2). */
+typedef struct {
+    int64_t num_recv;
+    void *recv_x;              /* [num_recv, hidden] */
+    float *recv_x_scales;      /* [num_recv, hidden/128] when fp8 */
+    int64_t *recv_topk_idx;    /* [num_recv, num_topk] local ids or -1 */
+    float *recv_topk_weights;  /* [num_recv, num_topk], 0 where idx is -1 */
+    int32_t *recv_src_rank;    /* [num_recv] */
+    int32_t *recv_src_token;   /* [num_recv] */
+    int num_local_experts;
+    int32_t *num_recv_per_expert; /* [num_local_experts], aligned */
+    int32_t *num_tokens_per_rank;   /* layout of this rank's own inputs: [world_size] */
+    int32_t *num_tokens_per_expert; /* [num_experts] */
+    uint8_t *is_token_in_rank;      /* [num_tokens, world_size] */
+} moe_expected_t;
+
+int moe_oracle_dispatch(const moe_case_t *c, int rank, moe_expected_t *out);
+void moe_expected_free(moe_expected_t *e);
+
+/*
+ * Combine input row for a token: the value rank `recv_rank` sends back for token
+ * (src_rank, src_token), deterministic bf16 bits, one row of `hidden`.
+ */
+void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t src_token,
+                     uint16_t *row);
+/* Expected combine output for rank `rank`: [num_tokens, hidden] bf16 bits, fp32 sums. */
+int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x);
+
+/* bf16 <-> fp32 (round to nearest even). */
+float moe_bf16_to_float(uint16_t bits);
+uint16_t moe_float_to_bf16(float value);
+
+#endif /* EPX_MOE_CASE_H */
