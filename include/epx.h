@@ -269,6 +269,13 @@ typedef struct {
      * Host memory owned by the handle (valid until the handle is destroyed). */
     const int32_t *num_recv_tokens_per_expert;
     int num_local_experts;
+    /* Device copies (CUDA backend; NULL on the host backend), valid in stream order:
+     * an int32 scalar with the rows received and [num_local_experts] int32 counts.
+     * With EPX_DISPATCH_WORST_CASE the CUDA backend does not wait for the counts on the
+     * host: num_recv_tokens is then -1, num_recv_tokens_per_expert NULL, and these
+     * device values are the only counts. */
+    const int32_t *num_recv_tokens_device;
+    const int32_t *num_recv_tokens_per_expert_device;
     /* The routing of this call. New handle in fresh mode (the caller destroys it);
      * the given handle in cached mode. */
     epx_handle_t handle;
@@ -276,7 +283,7 @@ typedef struct {
 
 #define EPX_DISPATCH_RESULT_INIT                                                             \
     {sizeof(epx_dispatch_result_t), 0, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,    \
-     EPX_TENSOR_NONE, NULL, 0, NULL}
+     EPX_TENSOR_NONE, NULL, 0, NULL, NULL, NULL}
 
 /*
  * Collective. Rank r receives every token of every rank that has at least one expert
