@@ -1,0 +1,250 @@
+/*
+ * API entry points for buffers and operations: validate, then hand to the backend.
+ *
+ * Operations on a buffer are collective. When one fails on this rank (bad argument,
+ * peer failure, timeout), the buffer records the error and the backend tells the
+ * peers, so that their waits end with EPX_ERR_REMOTE instead of a timeout. Every later
+ * call on the buffer returns the recorded error: the ranks no longer agree on where
+ * they are in the sequence of operations, so continuing could only hang or corrupt.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "validate.h"
+
+static const epx__backend_ops_t *backend_ops(epx_backend_t backend)
+{
+#ifdef EPX_WITH_CUDA
+    if (backend == EPX_BACKEND_CUDA)
+        return &epx__cuda_backend;
+#endif
+    if (backend == EPX_BACKEND_HOST)
+        return &epx__host_backend;
+    return NULL;
+}
+
+void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message)
+{
+    int expected = EPX_SUCCESS;
+    if (status == EPX_SUCCESS)
+        return;
+    /* The first error wins; its message is written by the thread that won. */
+    if (atomic_compare_exchange_strong(&buffer->async_error, &expected, (int)status))
+        snprintf(buffer->async_message, sizeof(buffer->async_message), "%s",
+                 message != NULL ? message : "");
+}
+
+/* A collective operation failed on this rank: record it and tell the peers. */
+static epx_status_t fail_operation(epx_buffer_t buffer, epx_status_t status)
+{
+    const char *message = epx_last_error();
+    epx__buffer_set_async_error(buffer, status, message);
+    if (buffer->ops->abort != NULL)
+        buffer->ops->abort(buffer, status, message);
+    return status;
+}
+
+/* Refuse to run an operation on a buffer that already failed. */
+static epx_status_t check_usable(epx_buffer_t buffer, const char *op)
+{
+    int error = atomic_load(&buffer->async_error);
+    if (error == EPX_SUCCESS)
+        return EPX_SUCCESS;
+    return EPX_ERROR((epx_status_t)error,
+                     "%s: the buffer failed earlier and cannot be used (destroy it): %s", op,
+                     buffer->async_message);
+}
+
+epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
+                             size_t *bytes_per_rank)
+{
+    epx__clear_error();
+    EPX_CHECK(epx__validate_buffer_config(group, config));
+    if (bytes_per_rank == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_size: bytes_per_rank is NULL");
+    const epx__backend_ops_t *ops = backend_ops(group->backend);
+    if (ops == NULL)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_size: backend %s is not built",
+                         epx_backend_name(group->backend));
+    size_t bytes = 0;
+    EPX_CHECK(ops->buffer_size(group, config, &bytes));
+    *bytes_per_rank = bytes;
+    return EPX_SUCCESS;
+}
+
+/* What each rank contributes to the agreement step of buffer creation. */
+typedef struct {
+    int32_t status;
+    int32_t num_experts;
+    int32_t num_topk;
+    int32_t dispatch_dtype;
+    int64_t max_tokens_per_rank;
+    int64_t hidden;
+} buffer_vote_t;
+
+/*
+ * Every rank learns whether every other rank's config was valid and the same, before any
+ * rank allocates: a rank with a bad config must not leave the others waiting.
+ */
+static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t *config,
+                                    epx_status_t local_status)
+{
+    buffer_vote_t mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.status = (int32_t)local_status;
+    if (local_status == EPX_SUCCESS) {
+        mine.num_experts = config->num_experts;
+        mine.num_topk = config->num_topk;
+        mine.dispatch_dtype = (int32_t)config->dispatch_dtype;
+        mine.max_tokens_per_rank = config->max_tokens_per_rank;
+        mine.hidden = config->hidden;
+    }
+    char local_message[512];
+    snprintf(local_message, sizeof(local_message), "%s", epx_last_error());
+    buffer_vote_t *votes = calloc((size_t)group->world_size, sizeof(*votes));
+    if (votes == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of memory");
+    epx_status_t status = epx__bootstrap_allgather(group->bootstrap, &mine, votes, sizeof(mine));
+    if (status != EPX_SUCCESS) {
+        free(votes);
+        return status;
+    }
+    if (local_status != EPX_SUCCESS) {
+        free(votes);
+        return EPX_ERROR(local_status, "%s", local_message);
+    }
+    for (int r = 0; r < group->world_size && status == EPX_SUCCESS; r++) {
+        const buffer_vote_t *v = &votes[r];
+        if (v->status != EPX_SUCCESS)
+            status = EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d rejected its config (%s)",
+                               r, epx_status_string((epx_status_t)v->status));
+        else if (v->num_experts != mine.num_experts || v->num_topk != mine.num_topk ||
+                 v->dispatch_dtype != mine.dispatch_dtype ||
+                 v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "buffer_create: rank %d's config differs from rank %d's (every "
+                               "rank must pass the same shape)",
+                               r, group->rank);
+    }
+    free(votes);
+    return status;
+}
+
+epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *config,
+                               epx_buffer_t *buffer_out)
+{
+    epx__clear_error();
+    if (group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_create: group is NULL");
+    epx_status_t status = epx__validate_buffer_config(group, config);
+    if (status == EPX_SUCCESS && buffer_out == NULL)
+        status = EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_create: buffer is NULL");
+    const epx__backend_ops_t *ops = backend_ops(group->backend);
+    if (status == EPX_SUCCESS && ops == NULL)
+        status = EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_create: backend %s is not built",
+                           epx_backend_name(group->backend));
+    EPX_CHECK(agree_on_config(group, config, status));
+
+    struct epx_buffer *buffer = calloc(1, sizeof(*buffer));
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of memory");
+    buffer->group = group;
+    buffer->config = *config;
+    if (buffer->config.num_sms == 0)
+        buffer->config.num_sms = (int)epx__param_int(EPX_PARAM_NUM_SMS);
+    buffer->num_local_experts = config->num_experts / group->world_size;
+    buffer->ops = ops;
+    atomic_init(&buffer->async_error, EPX_SUCCESS);
+    status = ops->buffer_create(buffer);
+    if (status != EPX_SUCCESS) {
+        free(buffer);
+        return status;
+    }
+    EPX_INFO(EPX_SUBSYS_CORE,
+             "buffer: %s backend, %lld tokens/rank, hidden %lld, %d experts, top-%d, %d SMs",
+             ops->name, (long long)config->max_tokens_per_rank, (long long)config->hidden,
+             config->num_experts, config->num_topk, buffer->config.num_sms);
+    *buffer_out = buffer;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_buffer_destroy(epx_buffer_t buffer)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_destroy: buffer is NULL");
+    buffer->ops->buffer_destroy(buffer);
+    free(buffer);
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char *message,
+                                 size_t message_size)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: buffer is NULL");
+    if (error == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: error is NULL");
+    int value = atomic_load(&buffer->async_error);
+    *error = (epx_status_t)value;
+    if (message != NULL && message_size > 0)
+        snprintf(message, message_size, "%s", value == EPX_SUCCESS ? "" : buffer->async_message);
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_t *args,
+                                     void *stream)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_dispatch_layout: buffer is NULL");
+    EPX_CHECK(check_usable(buffer, "get_dispatch_layout"));
+    /* Layout is local: a failure here does not involve (or poison) the peers. */
+    EPX_CHECK(epx__validate_layout(buffer, args));
+    if (buffer->group->backend == EPX_BACKEND_HOST)
+        EPX_CHECK(epx__validate_topk_values("get_dispatch_layout", &args->topk_idx,
+                                            buffer->config.num_experts));
+    return buffer->ops->layout(buffer, args, stream);
+}
+
+epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                          epx_dispatch_result_t *result, void *stream)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "dispatch: buffer is NULL");
+    EPX_CHECK(check_usable(buffer, "dispatch"));
+    epx_status_t status = epx__validate_dispatch(buffer, args, result);
+    if (status == EPX_SUCCESS && args->handle == NULL &&
+        buffer->group->backend == EPX_BACKEND_HOST)
+        status = epx__validate_topk_values("dispatch", &args->topk_idx,
+                                           buffer->config.num_experts);
+    epx_dispatch_result_t local;
+    memset(&local, 0, sizeof(local));
+    local.size = sizeof(local);
+    if (status == EPX_SUCCESS)
+        status = buffer->ops->dispatch(buffer, args, &local, stream);
+    if (status != EPX_SUCCESS)
+        return fail_operation(buffer, status);
+    if (local.handle != NULL)
+        local.handle->expert_alignment = args->handle != NULL ? args->handle->expert_alignment
+                                                              : args->expert_alignment;
+    *result = local;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: buffer is NULL");
+    EPX_CHECK(check_usable(buffer, "combine"));
+    epx_status_t status = epx__validate_combine(buffer, args);
+    if (status == EPX_SUCCESS)
+        status = buffer->ops->combine(buffer, args, stream);
+    if (status != EPX_SUCCESS)
+        return fail_operation(buffer, status);
+    return EPX_SUCCESS;
+}

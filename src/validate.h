@@ -1,0 +1,24 @@
+/*
+ * Argument checks of the entry points, one function per operation. Each returns
+ * EPX_ERR_INVALID_ARG (or EPX_ERR_CAPACITY) with a message naming the argument, so the
+ * backends can rely on shapes, dtypes and sizes being right.
+ */
+#ifndef EPX_VALIDATE_H
+#define EPX_VALIDATE_H
+
+#include "internal.h"
+
+epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_config_t *config);
+epx_status_t epx__validate_layout(epx_buffer_t buffer, const epx_layout_args_t *args);
+epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                                    const epx_dispatch_result_t *result);
+epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t *args);
+
+/*
+ * Expert ids in host memory: every entry in [-1, num_experts). The host backend calls it
+ * (device memory is checked by the GPU kernels instead).
+ */
+epx_status_t epx__validate_topk_values(const char *op, const epx_tensor_t *topk_idx,
+                                       int num_experts);
+
+#endif /* EPX_VALIDATE_H */
