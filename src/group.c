@@ -1,0 +1,321 @@
+/*
+ * Groups: who the ranks are, which backend and device they use, and the bootstrap
+ * they talk through outside the data path.
+ *
+ * Creation is collective. Every rank checks its own config first (so a bad field is
+ * reported where it was made), then brings the bootstrap up, then all ranks compare
+ * what they resolved: a group whose ranks disagree on the world size, the backend or
+ * the node size would fail much later in a confusing way, so it fails here, on every
+ * rank, naming the first rank that disagrees.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "internal.h"
+
+/* What every rank must agree on, exchanged right after the bootstrap is up. */
+typedef struct {
+    int32_t rank; /* the position the bootstrap gave this rank must be config.rank */
+    int32_t world_size;
+    int32_t backend;
+    int32_t ranks_per_node;
+} group_agreement_t;
+
+static int backend_known(epx_backend_t backend)
+{
+    return backend == EPX_BACKEND_AUTO || backend == EPX_BACKEND_HOST ||
+           backend == EPX_BACKEND_CUDA;
+}
+
+static int cuda_device_count(void)
+{
+#ifdef EPX_WITH_CUDA
+    return epx__cuda_device_count();
+#else
+    return 0;
+#endif
+}
+
+static epx_status_t check_config(const epx_group_config_t *config)
+{
+    if (config->size != sizeof(epx_group_config_t))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: config size is %zu, expected %zu (initialise it with "
+                         "EPX_GROUP_CONFIG_INIT)",
+                         config->size, sizeof(epx_group_config_t));
+    if (config->world_size < 1)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "group: world_size %d is less than 1",
+                         config->world_size);
+    if (config->rank < 0 || config->rank >= config->world_size)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "group: rank %d is outside 0..%d (world_size %d)",
+                         config->rank, config->world_size - 1, config->world_size);
+    if (config->unique_id != NULL && config->callbacks != NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: both unique_id and callbacks are set; give exactly one");
+    if (config->world_size > 1 && config->unique_id == NULL && config->callbacks == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: world_size %d needs a unique_id or callbacks to rendezvous "
+                         "(neither is set)",
+                         config->world_size);
+    if (config->callbacks != NULL && config->callbacks->allgather == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: callbacks.allgather is NULL (it is required; barrier may be "
+                         "NULL)");
+    if (config->ranks_per_node < 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: ranks_per_node %d is negative (0 = all ranks on one node)",
+                         config->ranks_per_node);
+    if (config->ranks_per_node > 0 && config->world_size % config->ranks_per_node != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: ranks_per_node %d does not divide world_size %d (0 = all "
+                         "ranks on one node)",
+                         config->ranks_per_node, config->world_size);
+    if (!backend_known(config->backend))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: backend %d is not an epx_backend_t value (auto, host, cuda)",
+                         (int)config->backend);
+    if (config->device < -1)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: device %d is not a device index (-1 = choose by local rank)",
+                         config->device);
+    if (config->timeout_ms < 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: timeout_ms %" PRId64 " is negative (0 = EPX_TIMEOUT_MS)",
+                         config->timeout_ms);
+    return EPX_SUCCESS;
+}
+
+static epx_status_t resolve_backend(epx_backend_t requested, epx_backend_t *resolved)
+{
+#ifdef EPX_WITH_CUDA
+    if (requested == EPX_BACKEND_AUTO) {
+        *resolved = cuda_device_count() > 0 ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
+        return EPX_SUCCESS;
+    }
+    if (requested == EPX_BACKEND_CUDA && cuda_device_count() <= 0)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "group: backend cuda was requested but no CUDA device is visible");
+#else
+    if (requested == EPX_BACKEND_AUTO) {
+        *resolved = EPX_BACKEND_HOST;
+        return EPX_SUCCESS;
+    }
+    if (requested == EPX_BACKEND_CUDA)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "group: backend cuda was requested but this epx was built without "
+                         "CUDA (rebuild with nvcc available and EPX_WITH_CUDA=ON)");
+#endif
+    *resolved = requested;
+    return EPX_SUCCESS;
+}
+
+/* Fill everything a group knows before it talks to the other ranks. */
+static epx_status_t resolve_group(const epx_group_config_t *config, struct epx_group *group)
+{
+    group->rank = config->rank;
+    group->world_size = config->world_size;
+    group->ranks_per_node = config->ranks_per_node > 0 ? config->ranks_per_node
+                                                       : config->world_size;
+    group->timeout_ms = config->timeout_ms > 0 ? config->timeout_ms
+                                               : epx__param_int(EPX_PARAM_TIMEOUT_MS);
+    EPX_CHECK(resolve_backend(config->backend, &group->backend));
+
+    /* A launcher knows the real placement on the node; without one, assume ranks are
+     * placed node by node in rank order. */
+    int64_t local_rank = epx__param_int(EPX_PARAM_LOCAL_RANK);
+    group->local_rank = local_rank >= 0 ? (int)local_rank : config->rank % group->ranks_per_node;
+
+    group->device = -1;
+    if (group->backend == EPX_BACKEND_CUDA) {
+        int count = cuda_device_count();
+        if (config->device >= count)
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "group: device %d does not exist (%d CUDA device%s visible)",
+                             config->device, count, count == 1 ? "" : "s");
+        group->device = config->device >= 0 ? config->device : group->local_rank % count;
+    }
+    return EPX_SUCCESS;
+}
+
+static epx_status_t check_agreement(struct epx_group *group)
+{
+    group_agreement_t mine = {.rank = group->rank,
+                              .world_size = group->world_size,
+                              .backend = (int32_t)group->backend,
+                              .ranks_per_node = group->ranks_per_node};
+    group_agreement_t *all = calloc((size_t)group->world_size, sizeof(*all));
+    if (all == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "group: out of memory");
+    epx_status_t status = epx__bootstrap_allgather(group->bootstrap, &mine, all, sizeof(mine));
+    if (status != EPX_SUCCESS) {
+        free(all);
+        return status;
+    }
+    /* Every rank compares against rank 0 in rank order, so every rank reports the same
+     * culprit. */
+    for (int r = 0; r < group->world_size && status == EPX_SUCCESS; r++) {
+        const group_agreement_t *theirs = &all[r];
+        if (theirs->rank != r)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "group: the process in position %d of the rendezvous says it "
+                               "is rank %d (config.rank must match the callbacks' order)",
+                               r, (int)theirs->rank);
+        else if (theirs->world_size != all[0].world_size)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "group: rank %d has world_size %d, rank 0 has %d", r,
+                               (int)theirs->world_size, (int)all[0].world_size);
+        else if (theirs->backend != all[0].backend)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG, "group: rank %d has backend %s, rank 0 has %s",
+                               r, epx_backend_name((epx_backend_t)theirs->backend),
+                               epx_backend_name((epx_backend_t)all[0].backend));
+        else if (theirs->ranks_per_node != all[0].ranks_per_node)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "group: rank %d has ranks_per_node %d, rank 0 has %d", r,
+                               (int)theirs->ranks_per_node, (int)all[0].ranks_per_node);
+    }
+    free(all);
+    return status;
+}
+
+epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *group)
+{
+    epx__clear_error();
+    if (config == NULL || group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_create: %s is NULL",
+                         config == NULL ? "config" : "group");
+    EPX_CHECK(check_config(config));
+    EPX_CHECK(epx__params_load());
+
+    struct epx_group *created = calloc(1, sizeof(*created));
+    if (created == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "group: out of memory");
+    epx_status_t status;
+    EPX_CHECK_GOTO(resolve_group(config, created), status, err_free);
+    if (config->callbacks != NULL)
+        EPX_CHECK_GOTO(epx__bootstrap_create_callbacks(config->callbacks, config->rank,
+                                                       config->world_size, &created->bootstrap),
+                       status, err_free);
+    else
+        EPX_CHECK_GOTO(epx__bootstrap_create_tcp(config->unique_id, config->rank,
+                                                 config->world_size, created->timeout_ms,
+                                                 &created->bootstrap),
+                       status, err_free);
+    EPX_CHECK_GOTO(check_agreement(created), status, err_bootstrap);
+
+    epx__log_set_rank(created->rank);
+    EPX_INFO(EPX_SUBSYS_CORE,
+             "group: rank %d of %d, local rank %d, %d ranks per node, backend %s, device %d",
+             created->rank, created->world_size, created->local_rank, created->ranks_per_node,
+             epx_backend_name(created->backend), created->device);
+    *group = created;
+    return EPX_SUCCESS;
+
+err_bootstrap:
+    epx__bootstrap_destroy(created->bootstrap);
+err_free:
+    free(created);
+    return status;
+}
+
+/* EPX_BACKEND text to the enum (params.c already checked it is one of the names). */
+static epx_status_t backend_from_param(epx_backend_t *backend)
+{
+    const char *text = epx__param_string(EPX_PARAM_BACKEND);
+    const epx_backend_t all[] = {EPX_BACKEND_AUTO, EPX_BACKEND_HOST, EPX_BACKEND_CUDA};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
+        if (text != NULL && strcasecmp(text, epx_backend_name(all[i])) == 0) {
+            *backend = all[i];
+            return EPX_SUCCESS;
+        }
+    }
+    return EPX_ERROR(EPX_ERR_INVALID_ARG, "group: EPX_BACKEND=%s is not auto, host or cuda",
+                     text != NULL ? text : "");
+}
+
+epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group)
+{
+    epx__clear_error();
+    if (group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_create_from_env: group is NULL");
+    if (!backend_known(backend))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: backend %d is not an epx_backend_t value (auto, host, cuda)",
+                         (int)backend);
+    EPX_CHECK(epx__params_load());
+    if (backend == EPX_BACKEND_AUTO)
+        EPX_CHECK(backend_from_param(&backend));
+
+    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
+    config.backend = backend;
+    int64_t world_size = epx__param_int(EPX_PARAM_WORLD_SIZE);
+    if (world_size == 0) /* not started by a launcher: a group of one */
+        return epx_group_create(&config, group);
+
+    int64_t rank = epx__param_int(EPX_PARAM_RANK);
+    if (rank < 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: EPX_RANK is not set but EPX_WORLD_SIZE=%" PRId64
+                         " (a launcher sets both)",
+                         world_size);
+    if (rank >= world_size)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: EPX_RANK=%" PRId64 " is not a rank of EPX_WORLD_SIZE=%" PRId64
+                         " (a launcher sets both)",
+                         rank, world_size);
+    config.rank = (int)rank;
+    config.world_size = (int)world_size;
+    config.ranks_per_node = (int)epx__param_int(EPX_PARAM_RANKS_PER_NODE);
+    epx_unique_id_t id;
+    const char *id_text = epx__param_string(EPX_PARAM_UNIQUE_ID);
+    if (world_size > 1) {
+        if (id_text == NULL || id_text[0] == '\0')
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "group: EPX_UNIQUE_ID is not set but EPX_WORLD_SIZE=%" PRId64
+                             " (a launcher sets both)",
+                             world_size);
+        epx_status_t status = epx_unique_id_from_string(id_text, &id);
+        if (status != EPX_SUCCESS) {
+            char why[512]; /* copied: EPX_ERROR rewrites the last-error text it reads */
+            snprintf(why, sizeof(why), "%s", epx_last_error());
+            return EPX_ERROR(status, "group: EPX_UNIQUE_ID: %s", why);
+        }
+        config.unique_id = &id;
+    }
+    return epx_group_create(&config, group);
+}
+
+epx_status_t epx_group_destroy(epx_group_t group)
+{
+    epx__clear_error();
+    if (group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_destroy: group is NULL");
+    epx__bootstrap_destroy(group->bootstrap);
+    free(group);
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info)
+{
+    epx__clear_error();
+    if (group == NULL || info == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_get_info: %s is NULL",
+                         group == NULL ? "group" : "info");
+    epx_group_info_t filled = {.rank = group->rank,
+                               .world_size = group->world_size,
+                               .local_rank = group->local_rank,
+                               .ranks_per_node = group->ranks_per_node,
+                               .backend = group->backend,
+                               .device = group->device};
+    *info = filled;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_group_barrier(epx_group_t group)
+{
+    epx__clear_error();
+    if (group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_barrier: group is NULL");
+    return epx__bootstrap_barrier(group->bootstrap);
+}
