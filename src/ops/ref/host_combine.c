@@ -1,0 +1,98 @@
+/*
+ * Normal-mode combine on the host backend: the reverse route of a dispatch.
+ *
+ * 1. Each rank copies its expert outputs (rows in receive order) into its own staging
+ *    region. Staging lets the home rank pull: it then reads every partial row of a
+ *    token, sums them in rank order and writes the result once, so the sum is the same
+ *    bits on every run (no race decides the order of additions).
+ * 2. Barrier "data": every rank's staging rows are in place.
+ * 3. Each rank reduces its own tokens from the peers' staging regions.
+ * 4. Barrier "done": no rank rewrites its staging region (next combine) while a peer
+ *    may still be reading it.
+ */
+#include <inttypes.h>
+#include <string.h>
+
+#include "ops/ref/bf16.h"
+#include "ops/ref/host.h"
+
+/* Copy the caller's combine inputs into this rank's staging region. */
+static void epx__combine_stage(epx__host_buffer_t *host, const epx_combine_args_t *args, int rank,
+                               int64_t rows, int64_t hidden, int num_topk)
+{
+    uint16_t *stage_x = epx__host_region(host, rank, host->layout.stage_x);
+    int64_t x_stride = epx__tensor_row_stride(&args->x);
+    for (int64_t i = 0; i < rows; i++)
+        memcpy(stage_x + i * hidden, (const uint16_t *)args->x.data + i * x_stride,
+               (size_t)hidden * sizeof(uint16_t));
+    if (!epx__tensor_given(&args->topk_weights))
+        return;
+    float *stage_weights = epx__host_region(host, rank, host->layout.stage_weights);
+    int64_t weight_stride = epx__tensor_row_stride(&args->topk_weights);
+    for (int64_t i = 0; i < rows; i++)
+        memcpy(stage_weights + i * num_topk,
+               (const float *)args->topk_weights.data + i * weight_stride,
+               (size_t)num_topk * sizeof(float));
+}
+
+/* out[t] = sum over the ranks that received t of their staged row, in rank order. */
+static void epx__combine_reduce(epx__host_buffer_t *host, const epx_combine_args_t *args,
+                                const struct epx_handle *handle, int64_t hidden, int num_topk)
+{
+    int world = handle->world_size;
+    int with_weights = epx__tensor_given(&args->out_topk_weights);
+    int64_t out_stride = epx__tensor_row_stride(&args->out_x);
+    int64_t weight_stride = with_weights ? epx__tensor_row_stride(&args->out_topk_weights) : 0;
+    float *sum = host->accumulator;
+    float *weight_sum = host->weight_sums;
+    for (int64_t t = 0; t < handle->num_tokens; t++) {
+        memset(sum, 0, (size_t)hidden * sizeof(float));
+        memset(weight_sum, 0, (size_t)num_topk * sizeof(float));
+        for (int r = 0; r < world; r++) {
+            int64_t row = handle->send_row[t * world + r];
+            if (row < 0)
+                continue;
+            const uint16_t *x =
+                (const uint16_t *)epx__host_region(host, r, host->layout.stage_x) + row * hidden;
+            for (int64_t i = 0; i < hidden; i++)
+                sum[i] += epx__bf16_to_float(x[i]);
+            if (with_weights) {
+                const float *w =
+                    (const float *)epx__host_region(host, r, host->layout.stage_weights) +
+                    row * num_topk;
+                for (int j = 0; j < num_topk; j++)
+                    weight_sum[j] += w[j];
+            }
+        }
+        uint16_t *out = (uint16_t *)args->out_x.data + t * out_stride;
+        for (int64_t i = 0; i < hidden; i++)
+            out[i] = epx__float_to_bf16(sum[i]);
+        if (with_weights)
+            memcpy((float *)args->out_topk_weights.data + t * weight_stride, weight_sum,
+                   (size_t)num_topk * sizeof(float));
+    }
+}
+
+epx_status_t epx__host_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream)
+{
+    (void)stream;
+    epx__host_buffer_t *host = buffer->impl;
+    const struct epx_handle *handle = args->handle;
+    int me = buffer->group->rank;
+    int64_t hidden = buffer->config.hidden;
+    int num_topk = buffer->config.num_topk;
+    int64_t rows = handle->num_recv_tokens;
+    if (rows < 0 || rows > host->layout.capacity)
+        return EPX_ERROR(EPX_ERR_INTERNAL,
+                         "combine: the handle says rank %d received %" PRId64
+                         " rows; the buffer holds %" PRId64,
+                         me, rows, host->layout.capacity);
+
+    epx__host_announce(host, me, EPX__HOST_OP_COMBINE, 0, args->x.dtype, 0,
+                       epx__tensor_given(&args->topk_weights));
+    epx__combine_stage(host, args, me, rows, hidden, num_topk);
+    EPX_CHECK(epx__shm_barrier(host->shm, "combine (waiting for data)"));
+    EPX_CHECK(epx__host_check_calls(host, me, buffer->group->world_size, "combine"));
+    epx__combine_reduce(host, args, handle, hidden, num_topk);
+    return epx__shm_barrier(host->shm, "combine (waiting for peers to finish reading)");
+}
