@@ -1,0 +1,38 @@
+# Tests of `epx doctor` (tools/doctor*.c). Included at the end of tests/CMakeLists.txt.
+#
+# - unit.test_doctor_parse / _report / _child: the unit-test glob makes these targets;
+#   here they get the doctor sources they test and the recorded samples.
+# - doctor.json / doctor.text: the whole command on this machine, output checked by
+#   tests/doctor/check_doctor.py (python3's json module only).
+
+set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools)
+
+if(TARGET test_doctor_parse)
+  target_sources(test_doctor_parse PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_parse.c
+                 ${EPX_DOCTOR_TOOLS}/doctor_sysfs.c)
+  target_include_directories(test_doctor_parse PRIVATE ${EPX_DOCTOR_TOOLS})
+  target_compile_definitions(test_doctor_parse PRIVATE
+                             EPX_DOCTOR_DATA_DIR="${CMAKE_CURRENT_LIST_DIR}/data/doctor")
+endif()
+
+if(TARGET test_doctor_child)
+  target_sources(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_child.c
+                 ${EPX_DOCTOR_TOOLS}/doctor_report.c)
+  target_include_directories(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS})
+endif()
+
+if(TARGET test_doctor_report)
+  target_sources(test_doctor_report PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_report.c)
+  target_include_directories(test_doctor_report PRIVATE ${EPX_DOCTOR_TOOLS})
+endif()
+
+find_package(Python3 COMPONENTS Interpreter QUIET)
+if(Python3_Interpreter_FOUND)
+  foreach(mode json text)
+    add_test(NAME doctor.${mode}
+             COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/doctor/check_doctor.py
+                     $<TARGET_FILE:epx_tool> ${mode})
+    # The smoke run starts ranks; leave it room, but a hang still ends the test.
+    set_tests_properties(doctor.${mode} PROPERTIES TIMEOUT 300 LABELS doctor)
+  endforeach()
+endif()
