@@ -1,0 +1,45 @@
+"""Errors: every failure of the C library becomes an EpxError carrying its status."""
+
+import enum
+
+from . import _capi
+
+Status = enum.IntEnum("Status", [(name, value) for name, value in _capi.STATUS])
+Status.__doc__ = "epx_status_t (EPX_STATUS_MAP in epx.h), without the EPX_ prefix."
+
+
+class EpxError(RuntimeError):
+    """A call into epx failed.
+
+    Attributes:
+        status: a ``Status`` (``Status.ERR_INVALID_ARG``, ...), or the raw int for a
+            value this package does not know.
+        status_name: ``"EPX_ERR_INVALID_ARG"``, ...
+        message: what was wrong: the C library's epx_last_error() text (which rank, which
+            stage, which argument), or the Python layer's own check.
+    """
+
+    def __init__(self, status, message):
+        try:
+            status = Status(int(status))
+            self.status_name = "EPX_" + status.name
+        except ValueError:
+            self.status_name = "EPX_STATUS_%d" % int(status)
+        self.status = status
+        self.message = message
+        super().__init__("%s: %s" % (self.status_name, message))
+
+
+def check(status, what=""):
+    """Raise EpxError for a nonzero status of a C call, with epx_last_error()."""
+    if status == 0:
+        return
+    message = _capi.api().last_error()
+    if not message:
+        message = (what + ": " if what else "") + _capi.api().epx_status_string(
+            status).decode()
+    raise EpxError(status, message)
+
+
+def invalid_argument(message):
+    return EpxError(Status.ERR_INVALID_ARG, message)

@@ -1,0 +1,276 @@
+"""Every Buffer method on every rank, checked against the NumPy model (reference.py).
+
+Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_buffer.py`.
+"""
+
+import numpy as np
+import pytest
+
+import epx
+from reference import BF16, Case
+
+
+def exact(backend):
+    # The host backend sums in rank order in fp32 (the model's order); the GPU backend may
+    # add in another order, so its bf16 results may differ in the last bit.
+    return backend == "host"
+
+
+def assert_bf16_equal(got, want, backend):
+    got32, want32 = got.astype(np.float32), want.astype(np.float32)
+    if exact(backend):
+        np.testing.assert_array_equal(got32, want32)
+    else:
+        np.testing.assert_allclose(got32, want32, rtol=1e-2, atol=1e-2)
+
+
+def check_dispatch(tensors, case, rank, out, expect_fp8=False):
+    recv_x, recv_idx, recv_weights, counts, handle, event = out
+    want = case.dispatch(rank)
+    if expect_fp8:
+        recv_x, recv_scales = recv_x
+        np.testing.assert_array_equal(tensors.get(recv_scales), want["recv_scales"])
+        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint8),
+                                      want["recv_x"].view(np.uint8))
+    else:
+        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint16),
+                                      want["recv_x"].view(np.uint16))
+    if recv_idx is not None:
+        np.testing.assert_array_equal(tensors.get(recv_idx), want["recv_idx"])
+    if recv_weights is not None:
+        np.testing.assert_array_equal(tensors.get(recv_weights), want["recv_weights"])
+    assert counts == want["counts"]
+    assert isinstance(handle, epx.Handle)
+    assert handle.num_recv_tokens == len(want["src"])
+    assert handle.num_tokens == case.tokens_of(rank)
+    assert handle.num_local_experts == case.experts_per_rank
+    assert handle.num_recv_tokens_per_expert_list == counts
+    assert isinstance(event, epx.EventOverlap)
+    return want
+
+
+def test_buffer_attributes(group, make_buffer):
+    case = Case(group.world_size)
+    buffer = make_buffer(case)
+    assert buffer.rank == group.rank and buffer.group_size == group.world_size
+    assert buffer.num_local_experts == case.experts_per_rank
+    assert epx.Buffer.buffer_size(group, 24, 256, 8, 3) > 0
+    assert "epx.Buffer" in repr(buffer)
+
+
+def test_get_dispatch_layout(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=11)
+    buffer = make_buffer(case)
+    _, _, idx, _ = case.inputs(group.rank)
+    per_rank, per_rdma_rank, per_expert, in_rank, event = buffer.get_dispatch_layout(
+        tensors.put(idx), case.num_experts)
+    want_rank, want_expert, want_in_rank = case.layout(group.rank)
+    assert per_rdma_rank is None
+    np.testing.assert_array_equal(tensors.get(per_rank), want_rank)
+    np.testing.assert_array_equal(tensors.get(per_expert), want_expert)
+    np.testing.assert_array_equal(tensors.get(in_rank), want_in_rank)
+    assert tensors.get(in_rank).dtype == np.bool_
+    event.current_stream_wait()
+
+
+@pytest.mark.parametrize("alignment", [1, 4])
+def test_dispatch_bf16(group, tensors, make_buffer, alignment):
+    case = Case(group.world_size, seed=21, alignment=alignment)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    layout = buffer.get_dispatch_layout(tensors.put(idx), case.num_experts)
+    out = buffer.dispatch(tensors.put(x), num_tokens_per_rank=layout[0],
+                          is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+                          topk_idx=tensors.put(idx), topk_weights=tensors.put(w),
+                          expert_alignment=alignment)
+    check_dispatch(tensors, case, group.rank, out)
+    assert tensors.get(out[0]).dtype == BF16
+
+
+def test_dispatch_fp8(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=31, dtype="fp8")
+    buffer = make_buffer(case)
+    x, scales, idx, w = case.inputs(group.rank)
+    out = buffer.dispatch((tensors.put(x), tensors.put(scales)), topk_idx=tensors.put(idx),
+                          topk_weights=tensors.put(w))
+    assert isinstance(out[0], tuple)
+    check_dispatch(tensors, case, group.rank, out, expect_fp8=True)
+
+
+def test_dispatch_without_weights(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=41)
+    buffer = make_buffer(case)
+    x, _, idx, _ = case.inputs(group.rank)
+    out = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
+    assert out[2] is None
+    check_dispatch(tensors, case, group.rank, out)
+
+
+def test_dispatch_empty_rank(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=51, empty_rank=group.world_size - 1)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    out = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    check_dispatch(tensors, case, group.rank, out)
+    combined, _, _ = buffer.combine(out[0], out[4])
+    assert tensors.get(combined).shape == (case.tokens_of(group.rank), case.hidden)
+
+
+def test_combine(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=61)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    recv_x, _, recv_w, _, handle, _ = buffer.dispatch(
+        tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    want = case.dispatch(group.rank)
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    weights = tensors.get(recv_w) * np.float32(group.rank + 1)
+    combined, combined_w, event = buffer.combine(tensors.put(rows), handle,
+                                                 topk_weights=tensors.put(weights))
+    want_x, want_w = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+    np.testing.assert_allclose(tensors.get(combined_w), want_w, rtol=1e-6, atol=1e-6)
+    assert event.event is None
+
+
+def test_combine_of_dispatch_is_sum_over_ranks(group, tensors, make_buffer):
+    """combine(dispatch(x)) = x times the number of ranks each token went to."""
+    case = Case(group.world_size, seed=71, num_topk=2)
+    buffer = make_buffer(case)
+    x, _, idx, _ = case.inputs(group.rank)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
+    combined, weights, _ = buffer.combine(recv_x, handle)
+    assert weights is None
+    _, _, in_rank = case.layout(group.rank)
+    want = (x.astype(np.float32) * in_rank.sum(axis=1, keepdims=True)).astype(BF16)
+    assert_bf16_equal(tensors.get(combined), want, group.backend)
+
+
+def test_cached_dispatch_reuses_handle(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=81)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    first = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    handle = first[4]
+    want = case.dispatch(group.rank)
+    for step in range(3):
+        # New token values, same routing: every rank sends x * (step + 2).
+        x2 = (x.astype(np.float32) * (step + 2)).astype(BF16)
+        recv_x, recv_idx, recv_w, counts, new_handle, event = buffer.dispatch(
+            tensors.put(x2), handle=handle)
+        assert recv_idx is None and recv_w is None and counts is None and new_handle is None
+        expect = (want["recv_x"].astype(np.float32) * (step + 2)).astype(BF16)
+        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint16), expect.view(np.uint16))
+        # Combine through the same handle, every time.
+        combined, _, _ = buffer.combine(recv_x, handle)
+        _, _, in_rank = case.layout(group.rank)
+        assert_bf16_equal(tensors.get(combined),
+                          (x2.astype(np.float32) * in_rank.sum(axis=1, keepdims=True)).astype(BF16),
+                          group.backend)
+
+
+def test_views_and_copies(group, tensors, make_buffer):
+    """Default outputs are views valid until the next operation; copy=True owns its data."""
+    case = Case(group.world_size, seed=91)
+    buffer = make_buffer(case)
+    x, _, idx, _ = case.inputs(group.rank)
+    view, _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
+    owned, _, _, _, handle2, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),
+                                                 copy=True)
+    saved = tensors.get(owned).copy()
+    zeros = np.zeros_like(x)
+    buffer.dispatch(tensors.put(zeros), handle=handle2)
+    np.testing.assert_array_equal(tensors.get(owned).view(np.uint16), saved.view(np.uint16))
+    if tensors.name != "jax" and len(saved) and np.any(saved.astype(np.float32) != 0):
+        # The view now shows the last dispatch (zeros): it pointed into the buffer.
+        assert np.all(tensors.get(view).astype(np.float32) == 0)
+    handle.destroy()
+    assert not handle.alive
+
+
+def test_copy_outputs_default(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=92)
+    buffer = make_buffer(case, copy_outputs=True)
+    x, _, idx, _ = case.inputs(group.rank)
+    recv, _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
+    saved = tensors.get(recv).copy()
+    buffer.dispatch(tensors.put(np.zeros_like(x)), handle=handle)
+    np.testing.assert_array_equal(tensors.get(recv).view(np.uint16), saved.view(np.uint16))
+
+
+def test_strided_input_rows(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=93)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    wide = np.zeros((x.shape[0], case.hidden * 2), dtype=BF16)
+    wide[:, :case.hidden] = x
+    strided = tensors.put(wide)[:, :case.hidden]  # row stride 2 * hidden
+    out = buffer.dispatch(strided, topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    check_dispatch(tensors, case, group.rank, out)
+
+
+def test_events(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=94)
+    buffer = make_buffer(case)
+    x, _, idx, _ = case.inputs(group.rank)
+    previous = epx.Buffer.capture()
+    out = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx), previous_event=previous,
+                          async_finish=True)
+    event = out[5]
+    with event:
+        pass
+    event.current_stream_wait()
+    assert event.extra_tensors is None
+    check_dispatch(tensors, case, group.rank, out)
+    combined, _, event = buffer.combine(out[0], out[4], async_finish=True)
+    event.current_stream_wait()
+
+
+def test_worst_case_mode(group, tensors, make_buffer):
+    case = Case(group.world_size, seed=95)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    out = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w),
+                          num_worst_tokens=case.num_tokens * group.world_size)
+    want = case.dispatch(group.rank)
+    n = len(want["src"])
+    np.testing.assert_array_equal(tensors.get(out[0])[:n].view(np.uint16),
+                                  want["recv_x"].view(np.uint16))
+    np.testing.assert_array_equal(tensors.get(out[1])[:n], want["recv_idx"])
+
+
+def test_raw_bits(group, make_buffer):
+    """NumPy without a bf16 type: uint16 bit patterns in, uint16 bit patterns out."""
+    if group.backend != "host":
+        pytest.skip("NumPy arrays need the host backend")
+    case = Case(group.world_size, seed=96)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(epx.raw_bits(x.view(np.uint16)), topk_idx=idx,
+                                                 topk_weights=w)
+    assert recv_x.dtype == np.uint16
+    np.testing.assert_array_equal(recv_x, case.dispatch(group.rank)["recv_x"].view(np.uint16))
+    combined, _, _ = buffer.combine(epx.raw_bits(recv_x), handle)
+    assert combined.dtype == np.uint16
+
+
+def test_low_latency_is_not_implemented(group, make_buffer):
+    buffer = make_buffer(Case(group.world_size))
+    for method in (buffer.low_latency_dispatch, buffer.low_latency_combine,
+                   buffer.clean_low_latency_buffer):
+        with pytest.raises(NotImplementedError, match="low-latency"):
+            method()
+    with pytest.raises(NotImplementedError, match="low-latency"):
+        epx.Buffer(group, low_latency_mode=True, max_tokens_per_rank=8, hidden=128,
+                   num_experts=8, num_topk=2)
+
+
+def test_buffer_from_env_owns_its_group(group):
+    buffer = epx.Buffer(None, max_tokens_per_rank=8, hidden=128, num_experts=group.world_size * 2,
+                        num_topk=2, backend=group.backend)
+    assert buffer.group is not group and buffer.group.world_size == group.world_size
+    inner = buffer.group
+    buffer.destroy()
+    with pytest.raises(epx.EpxError) as info:
+        inner.barrier()
+    assert info.value.status == epx.Status.ERR_INVALID_STATE

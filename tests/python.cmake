@@ -1,0 +1,45 @@
+# Python package tests (python/tests, examples/moe_layer.py), run with pytest through
+# python/tests/run_ctest.py; the multi-rank ones under `epx launch`. They skip (exit 77)
+# when numpy, pytest or ml_dtypes is missing: pip install numpy pytest ml_dtypes.
+# Included by tests/CMakeLists.txt; ctest -L python runs them.
+find_package(Python3 COMPONENTS Interpreter)
+if(NOT Python3_Interpreter_FOUND)
+  message(STATUS "epx: no Python 3 interpreter found, Python tests not registered")
+  return()
+endif()
+
+set(EPX_PY_ROOT ${CMAKE_SOURCE_DIR})
+set(EPX_PY_TESTS ${EPX_PY_ROOT}/python/tests)
+set(EPX_PY_RUN ${Python3_EXECUTABLE} ${EPX_PY_TESTS}/run_ctest.py)
+if(NOT DEFINED EPX_TEST_BACKEND)
+  set(EPX_TEST_BACKEND auto)
+endif()
+# EPXTEST_* rather than EPX_*: the library warns about EPX_* variables it does not know.
+set(EPX_PY_ENV PYTHONPATH=${EPX_PY_ROOT}/python EPX_LIBRARY=$<TARGET_FILE:epx>
+               EPXTEST_BACKEND=${EPX_TEST_BACKEND} EPXTEST_TOOL=$<TARGET_FILE:epx_tool>)
+
+add_test(NAME python.unit
+         COMMAND ${EPX_PY_RUN} -- -q ${EPX_PY_TESTS}/test_capi.py ${EPX_PY_TESTS}/test_dlpack.py
+                 ${EPX_PY_TESTS}/test_library.py
+         WORKING_DIRECTORY ${EPX_PY_ROOT})
+set_tests_properties(python.unit PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 LABELS python
+                     ENVIRONMENT "${EPX_PY_ENV}")
+
+foreach(ranks 1 2 4)
+  add_test(NAME python.multirank.n${ranks}
+           COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks} -- -q
+                   ${EPX_PY_TESTS}/test_buffer.py ${EPX_PY_TESTS}/test_bad_input.py
+                   ${EPX_PY_TESTS}/test_group.py
+           WORKING_DIRECTORY ${EPX_PY_ROOT})
+  set_tests_properties(python.multirank.n${ranks} PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
+                       LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
+endforeach()
+
+foreach(ranks 2 4)
+  add_test(NAME python.example.moe_layer.n${ranks}
+           COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks}
+                   --script ${EPX_PY_ROOT}/examples/moe_layer.py
+           WORKING_DIRECTORY ${EPX_PY_ROOT})
+  set_tests_properties(python.example.moe_layer.n${ranks} PROPERTIES TIMEOUT 300
+                       SKIP_RETURN_CODE 77 LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
+endforeach()
