@@ -187,6 +187,8 @@ epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char 
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: buffer is NULL");
     if (error == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: error is NULL");
+    if (buffer->ops->poll_async_error != NULL)
+        buffer->ops->poll_async_error(buffer);
     int value = atomic_load(&buffer->async_error);
     *error = (epx_status_t)value;
     if (message != NULL && message_size > 0)

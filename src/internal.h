@@ -85,6 +85,12 @@ struct epx__backend_ops {
                              epx_dispatch_result_t *result, void *stream);
     epx_status_t (*combine)(epx_buffer_t buffer, const epx_combine_args_t *args,
                             void *stream);
+    /*
+     * Optional (NULL = nothing to poll): record in buffer->async_error a failure the
+     * backend learned asynchronously, such as a device-side timeout inside a kernel
+     * replayed from a CUDA graph. epx_get_async_error calls it before answering.
+     */
+    void (*poll_async_error)(epx_buffer_t buffer);
 };
 
 extern const epx__backend_ops_t epx__host_backend;

@@ -104,7 +104,9 @@ void epx__log_set_rank(int rank);
     X(LOCAL_RANK, INT, -1, -1, 1048576, "Rank within the node (set by epx launch)")         \
     X(RANKS_PER_NODE, INT, 0, 0, 1048576,                                                   \
       "Ranks per NVLink domain; 0 = all ranks in one (split into virtual nodes for tests)") \
-    X(UNIQUE_ID, STRING, "", 0, 0, "Rendezvous id text from rank 0 (set by epx launch)")
+    X(UNIQUE_ID, STRING, "", 0, 0, "Rendezvous id text from rank 0 (set by epx launch)") \
+    X(LIBRARY, STRING, "", 0, 0,                                                            \
+      "Path of libepx.so for the Python package (read by Python, listed here for epx params)")
 
 typedef enum {
 #define EPX_PARAM_ENUM_(name, type, def, min, max, doc) EPX_PARAM_##name,

@@ -164,6 +164,14 @@ static epx_status_t epx__check_strides(const char *op, const char *name,
     }
     if (all_zero)
         return EPX_SUCCESS;
+    /* Past the all-zero "contiguous" shorthand, a zero stride is a broadcast view, which
+     * the operations would read as packed rows, past the end of the caller's memory. */
+    for (int i = 0; i < ndim; i++)
+        if (strides[i] == 0 && shape[i] > 1)
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "%s: %s has stride 0 in dimension %d (a broadcast view; strides "
+                             "%s): pass a materialised tensor",
+                             op, name, i, text);
 
     if (ndim == 3) {
         /* Nothing reads 3-d tensors row by row yet, so only the packed layout is taken. */
