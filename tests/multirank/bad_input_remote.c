@@ -1,0 +1,118 @@
+/*
+ * Failures that cross ranks (test_bad_input with two or more ranks): the rank that gets
+ * bad input sees its own error; every other rank gets EPX_ERR_REMOTE naming it, not a
+ * hang; the buffer then keeps returning that first error; the group stays usable.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "bad_input.h"
+#include "mem.h"
+#include "test_util.h"
+
+/* Later calls on a failed buffer return the first error; the async error says so too. */
+static void expect_poisoned(bi_fixture_t *f, epx_status_t first, const char *culprit)
+{
+    epx_status_t error = EPX_SUCCESS;
+    char message[512];
+    bi_expect("dispatch on the failed buffer", epx_dispatch(f->buffer, &f->args, &f->result, NULL),
+              first, culprit);
+    CHECK_OK(epx_get_async_error(f->buffer, &error, message, sizeof message));
+    CHECK_STATUS(error, first);
+    if (strstr(message, culprit) == NULL)
+        TEST_FAIL("async error \"%s\" does not mention \"%s\"", message, culprit);
+}
+
+/* Rank `bad` passes input that `break_input` breaks; it must get `status` naming `culprit`. */
+static void run_one_bad_rank(const char *what, int bad, epx_dtype_t dtype, int64_t tokens,
+                             void (*break_input)(bi_fixture_t *f), epx_status_t status,
+                             const char *culprit)
+{
+    bi_fixture_t f;
+    char peer[32], text[160];
+    bi_setup(&f, dtype, bi_info.rank == bad ? tokens : BI_TOKENS);
+    if (bi_info.rank == bad)
+        break_input(&f);
+    epx_status_t got = epx_dispatch(f.buffer, &f.args, &f.result, NULL);
+    snprintf(peer, sizeof peer, "rank %d", bad);
+    if (bi_info.rank == bad) {
+        snprintf(text, sizeof text, "%s (this rank)", what);
+        bi_expect(text, got, status, culprit);
+        expect_poisoned(&f, status, culprit);
+    } else {
+        snprintf(text, sizeof text, "%s (on %s)", what, peer);
+        bi_expect(text, got, EPX_ERR_REMOTE, peer);
+        expect_poisoned(&f, EPX_ERR_REMOTE, peer);
+    }
+    bi_teardown(&f);
+}
+
+static void expert_out_of_range(bi_fixture_t *f) { bi_set_expert(f, 1, 1, f->c.num_experts); }
+static void no_change(bi_fixture_t *f) { (void)f; }
+
+/* A good dispatch on every rank, then rank 0 passes a wrong out_x to combine. */
+static void run_bad_combine(void)
+{
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    CHECK_OK(epx_dispatch(f.buffer, &f.args, &f.result, NULL));
+    int64_t num_recv = f.result.num_recv_tokens;
+    void *x = mr_mem_alloc((size_t)(num_recv * BI_HIDDEN) * 2, 0);
+    void *out_x = mr_mem_alloc((size_t)((BI_TOKENS + 1) * BI_HIDDEN) * 2, 0);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = f.result.handle;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, num_recv, BI_HIDDEN);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, BI_TOKENS + (bi_info.rank == 0), BI_HIDDEN);
+    epx_status_t got = epx_combine(f.buffer, &args, NULL);
+    if (bi_info.rank == 0)
+        bi_expect("combine: out_x rows wrong (this rank)", got, EPX_ERR_INVALID_ARG, "out_x");
+    else
+        bi_expect("combine: out_x rows wrong (on rank 0)", got, EPX_ERR_REMOTE, "rank 0");
+    CHECK_OK(epx_handle_destroy(f.result.handle));
+    mr_mem_free(x);
+    mr_mem_free(out_x);
+    bi_teardown(&f);
+}
+
+/* Buffer creation: a config every rank rejects, and configs that differ between ranks. */
+static void run_bad_configs(void)
+{
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    epx_buffer_t buffer = NULL;
+    config.max_tokens_per_rank = BI_MAX_TOKENS;
+    config.hidden = BI_HIDDEN;
+    config.num_experts = BI_EXPERTS_PER_RANK * bi_info.world_size + 1;
+    config.num_topk = BI_TOPK;
+    bi_expect("buffer_create: num_experts not a multiple of the world size",
+              epx_buffer_create(bi_group, &config, &buffer), EPX_ERR_INVALID_ARG,
+              "num_experts");
+    CHECK(buffer == NULL);
+
+    config.num_experts = BI_EXPERTS_PER_RANK * bi_info.world_size;
+    config.hidden = bi_info.rank == 1 ? 2 * BI_HIDDEN : BI_HIDDEN;
+    epx_status_t got = epx_buffer_create(bi_group, &config, &buffer);
+    const char *peer = bi_info.rank == 1 ? "rank 0" : "rank 1";
+    if (got != EPX_ERR_INVALID_ARG && got != EPX_ERR_REMOTE)
+        TEST_FAIL("buffer_create with rank 1's hidden different returned %s (last error: %s)",
+                  epx_status_name(got), epx_last_error());
+    bi_expect("buffer_create: rank 1's config differs", got, got, peer);
+    CHECK(buffer == NULL);
+}
+
+void bi_run_remote_cases(void)
+{
+    run_one_bad_rank("dispatch: rank 1 expert id out of range", 1, EPX_DTYPE_BF16, BI_TOKENS,
+                     expert_out_of_range, EPX_ERR_INVALID_ARG, "topk_idx");
+    run_one_bad_rank("dispatch: rank 1 over max_tokens", 1, EPX_DTYPE_FP8_E4M3,
+                     BI_MAX_TOKENS + 3, no_change, EPX_ERR_CAPACITY, "max_tokens_per_rank");
+    run_bad_combine();
+    run_bad_configs();
+
+    /* After all that, a fresh buffer works on every rank. */
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    CHECK_OK(epx_dispatch(f.buffer, &f.args, &f.result, NULL));
+    CHECK(f.result.num_recv_tokens >= 0);
+    CHECK_OK(epx_handle_destroy(f.result.handle));
+    bi_teardown(&f);
+}

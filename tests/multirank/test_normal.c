@@ -1,0 +1,446 @@
+/*
+ * Normal-mode dispatch and combine on every rank of a launched group, checked exactly
+ * against the oracle (tests/common/moe_case.h).
+ *
+ *   epx launch -n N -- test_normal [--case NAME|all] [--backend host|cuda|auto]
+ *
+ * Each case of the table runs on a fresh buffer: layout; fresh dispatch into buffer
+ * views and into caller outputs; combine with and without top-k weights; the round trip
+ * combine(dispatch(x)) == x * (ranks that received it); cached dispatch; worst-case
+ * dispatch; then more rounds with new seeds on the same buffer. Inputs and outputs live
+ * in the backend's memory (mem.h), so the program runs unchanged on the GPU.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "mem.h"
+#include "moe_case.h"
+#include "normal_check.h"
+#include "test_util.h"
+
+typedef struct {
+    const char *name;
+    int64_t num_tokens;
+    int64_t max_tokens;     /* the buffer's max_tokens_per_rank (>= num_tokens) */
+    int64_t hidden;
+    int num_experts;        /* > 0: at least this many (rounded up to a multiple of R) */
+    int experts_per_rank;   /* > 0: exactly this many per rank (num_experts unused) */
+    int num_topk;           /* 0 = all experts; else clamped to the expert count */
+    epx_dtype_t dtype;
+    int expert_alignment;
+    moe_routing_t routing;
+    double drop_fraction;
+    int empty_rank;         /* nonzero: rank 1 (rank 0 in a world of one) passes no tokens */
+} normal_case_t;
+
+static const normal_case_t cases[] = {
+    /* name, tokens, max, hidden, experts, per rank, topk, dtype, align, routing, drop, empty */
+    {"random_bf16", 128, 128, 256, 16, 0, 4, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
+    {"random_fp8", 200, 256, 256, 16, 0, 4, EPX_DTYPE_FP8_E4M3, 1, MOE_ROUTING_RANDOM, 0, 0},
+    {"drop_bf16", 96, 100, 256, 16, 0, 4, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0.3, 0},
+    {"drop_fp8", 64, 64, 384, 16, 0, 4, EPX_DTYPE_FP8_E4M3, 1, MOE_ROUTING_RANDOM, 0.3, 0},
+    {"empty_rank", 80, 80, 256, 16, 0, 4, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 1},
+    {"one_expert", 64, 96, 256, 16, 0, 4, EPX_DTYPE_BF16, 1, MOE_ROUTING_ONE_EXPERT, 0, 0},
+    {"experts_3r", 100, 100, 256, 0, 3, 2, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
+    {"experts_6r_fp8", 72, 72, 256, 0, 6, 4, EPX_DTYPE_FP8_E4M3, 1, MOE_ROUTING_RANDOM, 0.1, 0},
+    {"align4", 100, 128, 256, 16, 0, 4, EPX_DTYPE_BF16, 4, MOE_ROUTING_RANDOM, 0, 0},
+    {"align128_fp8", 90, 90, 256, 16, 0, 4, EPX_DTYPE_FP8_E4M3, 128, MOE_ROUTING_LOCAL_FIRST,
+     0.2, 0},
+    {"top1", 150, 150, 256, 16, 0, 1, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
+    {"topk_all", 40, 40, 128, 0, 2, 0, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
+    {"local_first", 120, 120, 256, 16, 0, 4, EPX_DTYPE_BF16, 8, MOE_ROUTING_LOCAL_FIRST, 0, 0},
+};
+
+#define NUM_CASES ((int)(sizeof cases / sizeof cases[0]))
+#define NUM_ROUNDS 3 /* rounds on one buffer, each with a new seed */
+
+static moe_case_t make_case(const normal_case_t *nc, int world, int case_index, int round)
+{
+    moe_case_t c;
+    memset(&c, 0, sizeof c);
+    c.world_size = world;
+    c.num_tokens = nc->num_tokens;
+    c.hidden = nc->hidden;
+    if (nc->experts_per_rank > 0)
+        c.num_experts = nc->experts_per_rank * world;
+    else
+        c.num_experts = (nc->num_experts + world - 1) / world * world;
+    c.num_topk = nc->num_topk == 0 || nc->num_topk > c.num_experts ? c.num_experts
+                                                                    : nc->num_topk;
+    c.dtype = nc->dtype;
+    c.expert_alignment = nc->expert_alignment;
+    c.seed = 1000003ull * (uint64_t)(case_index + 1) + 7919ull * (uint64_t)round;
+    c.routing = nc->routing;
+    c.drop_fraction = nc->drop_fraction;
+    c.empty_rank = nc->empty_rank ? (world > 1 ? 1 : 0) : -1;
+    return c;
+}
+
+/* ---------------------------------------------------------------- operation memory */
+
+/* One rank's inputs in host memory and in the backend's memory. */
+typedef struct {
+    moe_inputs_t host;
+    void *x, *scales, *idx, *weights;
+} inputs_t;
+
+static void inputs_make(const moe_case_t *c, int rank, inputs_t *in)
+{
+    CHECK_EQ_INT(moe_inputs_make(c, rank, &in->host), 0);
+    int64_t n = in->host.num_tokens;
+    in->x = mr_mem_from_host(in->host.x, (size_t)(n * c->hidden) * epx_dtype_size(c->dtype));
+    in->scales = c->dtype == EPX_DTYPE_FP8_E4M3
+                     ? mr_mem_from_host(in->host.x_scales,
+                                        (size_t)(n * (c->hidden / 128)) * sizeof(float))
+                     : NULL;
+    in->idx = mr_mem_from_host(in->host.topk_idx, (size_t)(n * c->num_topk) * sizeof(int64_t));
+    in->weights = mr_mem_from_host(in->host.topk_weights,
+                                   (size_t)(n * c->num_topk) * sizeof(float));
+}
+
+static void inputs_free(inputs_t *in)
+{
+    mr_mem_free(in->x);
+    if (in->scales != NULL)
+        mr_mem_free(in->scales);
+    mr_mem_free(in->idx);
+    mr_mem_free(in->weights);
+    moe_inputs_free(&in->host);
+}
+
+/* Dispatch arguments for fresh mode (cached mode clears the routing afterwards). */
+static epx_dispatch_args_t dispatch_args(const moe_case_t *c, const inputs_t *in)
+{
+    epx_dispatch_args_t args = EPX_DISPATCH_ARGS_INIT;
+    int64_t n = in->host.num_tokens;
+    args.x = epx_tensor_2d(in->x, c->dtype, n, c->hidden);
+    if (c->dtype == EPX_DTYPE_FP8_E4M3)
+        args.x_scales = epx_tensor_2d(in->scales, EPX_DTYPE_FP32, n, c->hidden / 128);
+    args.topk_idx = epx_tensor_2d(in->idx, EPX_DTYPE_INT64, n, c->num_topk);
+    args.topk_weights = epx_tensor_2d(in->weights, EPX_DTYPE_FP32, n, c->num_topk);
+    args.expert_alignment = c->expert_alignment;
+    return args;
+}
+
+/* Caller-owned dispatch outputs of `rows` rows, filled with NaN bytes. */
+typedef struct {
+    void *x, *scales, *idx, *weights;
+} outputs_t;
+
+static void outputs_attach(const moe_case_t *c, int64_t rows, outputs_t *out,
+                           epx_dispatch_args_t *args)
+{
+    int k = c->num_topk;
+    int fp8 = c->dtype == EPX_DTYPE_FP8_E4M3;
+    out->x = mr_mem_alloc((size_t)(rows * c->hidden) * epx_dtype_size(c->dtype), 0xff);
+    out->scales = fp8 ? mr_mem_alloc((size_t)(rows * (c->hidden / 128)) * 4, 0xff) : NULL;
+    out->idx = mr_mem_alloc((size_t)(rows * k) * sizeof(int64_t), 0xff);
+    out->weights = mr_mem_alloc((size_t)(rows * k) * sizeof(float), 0xff);
+    args->recv_x = epx_tensor_2d(out->x, c->dtype, rows, c->hidden);
+    if (fp8)
+        args->recv_x_scales = epx_tensor_2d(out->scales, EPX_DTYPE_FP32, rows, c->hidden / 128);
+    args->recv_topk_idx = epx_tensor_2d(out->idx, EPX_DTYPE_INT64, rows, k);
+    args->recv_topk_weights = epx_tensor_2d(out->weights, EPX_DTYPE_FP32, rows, k);
+}
+
+static void outputs_free(outputs_t *out)
+{
+    mr_mem_free(out->x);
+    if (out->scales != NULL)
+        mr_mem_free(out->scales);
+    mr_mem_free(out->idx);
+    mr_mem_free(out->weights);
+}
+
+/* ---------------------------------------------------------------- steps */
+
+static void check_layout(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in)
+{
+    const moe_case_t *c = ctx->c;
+    int64_t n = in->host.num_tokens;
+    int world = c->world_size;
+    void *per_rank = mr_mem_alloc((size_t)world * 4, 0xff);
+    void *per_expert = mr_mem_alloc((size_t)c->num_experts * 4, 0xff);
+    void *in_rank = mr_mem_alloc((size_t)(n * world), 0xff);
+    epx_layout_args_t args = EPX_LAYOUT_ARGS_INIT;
+    args.topk_idx = epx_tensor_2d(in->idx, EPX_DTYPE_INT64, n, c->num_topk);
+    args.num_tokens_per_rank = epx_tensor_1d(per_rank, EPX_DTYPE_INT32, world);
+    args.num_tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, c->num_experts);
+    args.is_token_in_rank = epx_tensor_2d(in_rank, EPX_DTYPE_BOOL, n, world);
+    CHECK_OK(epx_get_dispatch_layout(buffer, &args, NULL));
+
+    int32_t *host_rank = calloc((size_t)world, 4);
+    int32_t *host_expert = calloc((size_t)c->num_experts, 4);
+    uint8_t *host_in_rank = calloc((size_t)(n * world) + 1, 1);
+    CHECK(host_rank != NULL && host_expert != NULL && host_in_rank != NULL);
+    mr_mem_to_host(host_rank, per_rank, (size_t)world * 4);
+    mr_mem_to_host(host_expert, per_expert, (size_t)c->num_experts * 4);
+    mr_mem_to_host(host_in_rank, in_rank, (size_t)(n * world));
+    nt_check_layout(ctx, host_rank, host_expert, host_in_rank);
+    free(host_rank);
+    free(host_expert);
+    free(host_in_rank);
+    mr_mem_free(per_rank);
+    mr_mem_free(per_expert);
+    mr_mem_free(in_rank);
+}
+
+/* Download a dispatch result and compare it with the oracle. */
+static void check_dispatch(const nt_ctx_t *ctx, const char *step,
+                           const epx_dispatch_result_t *res, int want_routing)
+{
+    nt_recv_t got;
+    nt_recv_download(ctx, step, res, &got);
+    nt_check_recv(ctx, step, &got, want_routing, want_routing);
+    nt_recv_free(&got);
+
+    epx_handle_info_t info;
+    CHECK_OK(epx_handle_get_info(res->handle, &info));
+    /* A GPU backend in worst-case mode may not know the received count on the host. */
+    int64_t want_recv = res->num_recv_tokens < 0 && info.num_recv_tokens < 0
+                            ? info.num_recv_tokens
+                            : ctx->e->num_recv;
+    if (info.num_tokens != ctx->in->num_tokens || info.num_recv_tokens != want_recv ||
+        info.num_local_experts != ctx->e->num_local_experts ||
+        info.expert_alignment != ctx->c->expert_alignment)
+        nt_fail(ctx, step,
+                "handle info (tokens %lld, received %lld, local experts %d, alignment %d), "
+                "expected (%lld, %lld, %d, %d)",
+                (long long)info.num_tokens, (long long)info.num_recv_tokens,
+                info.num_local_experts, info.expert_alignment,
+                (long long)ctx->in->num_tokens, (long long)ctx->e->num_recv,
+                ctx->e->num_local_experts, ctx->c->expert_alignment);
+}
+
+static epx_handle_t dispatch_fresh_views(const nt_ctx_t *ctx, epx_buffer_t buffer,
+                                         const inputs_t *in, const char *step)
+{
+    epx_dispatch_args_t args = dispatch_args(ctx->c, in);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    check_dispatch(ctx, step, &res, 1);
+    return res.handle;
+}
+
+/*
+ * Dispatch into caller outputs of `rows` rows (with `flags`). The outputs stay
+ * allocated in `out` for the caller to use and free.
+ */
+static epx_handle_t dispatch_fresh_outputs(const nt_ctx_t *ctx, epx_buffer_t buffer,
+                                           const inputs_t *in, int64_t rows, uint32_t flags,
+                                           outputs_t *out, const char *step)
+{
+    epx_dispatch_args_t args = dispatch_args(ctx->c, in);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    args.flags = flags;
+    outputs_attach(ctx->c, rows, out, &args);
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    if (res.recv_x.data != out->x)
+        nt_fail(ctx, step, "result recv_x does not point at the caller's output");
+    check_dispatch(ctx, step, &res, 1);
+    return res.handle;
+}
+
+static void dispatch_cached(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in,
+                            epx_handle_t handle)
+{
+    const char *step = "cached dispatch";
+    epx_dispatch_args_t args = dispatch_args(ctx->c, in);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    args.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.handle = handle;
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    if (res.handle != handle)
+        nt_fail(ctx, step, "result handle is not the given handle");
+    check_dispatch(ctx, step, &res, 0);
+}
+
+/*
+ * Combine rows from moe_combine_row, in the order the oracle received the tokens,
+ * against moe_oracle_combine; with weights, the combined weights too.
+ */
+static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                          int with_weights, const char *step)
+{
+    const moe_case_t *c = ctx->c;
+    const moe_expected_t *e = ctx->e;
+    int64_t hidden = c->hidden, n = ctx->in->num_tokens;
+    int k = c->num_topk;
+    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
+    float *got_weights = calloc((size_t)(n * k) + 1, 4);
+    CHECK(rows != NULL && got != NULL && got_weights != NULL);
+    for (int64_t i = 0; i < e->num_recv; i++)
+        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
+                        rows + i * hidden);
+
+    void *x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2);
+    void *weights = mr_mem_from_host(e->recv_topk_weights, (size_t)(e->num_recv * k) * 4);
+    void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2, 0xff);
+    void *out_weights = mr_mem_alloc((size_t)(n * k) * 4, 0xff);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, e->num_recv, hidden);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, hidden);
+    if (with_weights) {
+        args.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, e->num_recv, k);
+        args.out_topk_weights = epx_tensor_2d(out_weights, EPX_DTYPE_FP32, n, k);
+    }
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+
+    uint16_t *want;
+    CHECK_EQ_INT(moe_oracle_combine(c, ctx->rank, &want), 0);
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    if (with_weights) {
+        mr_mem_to_host(got_weights, out_weights, (size_t)(n * k) * 4);
+        nt_check_combined_weights(ctx, step, got_weights);
+    }
+    free(want);
+    free(rows);
+    free(got);
+    free(got_weights);
+    mr_mem_free(x);
+    mr_mem_free(weights);
+    mr_mem_free(out_x);
+    mr_mem_free(out_weights);
+}
+
+/*
+ * Combine of the dispatched rows themselves (bf16): every token comes back as itself
+ * times the number of ranks that received it.
+ */
+static void roundtrip_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                            void *recv_x)
+{
+    const char *step = "combine(dispatch(x))";
+    const moe_case_t *c = ctx->c;
+    int64_t hidden = c->hidden, n = ctx->in->num_tokens;
+    void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2, 0xff);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    args.x = epx_tensor_2d(recv_x, EPX_DTYPE_BF16, ctx->e->num_recv, hidden);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, hidden);
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+
+    uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
+    uint16_t *want = calloc((size_t)(n * hidden) + 1, 2);
+    CHECK(got != NULL && want != NULL);
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    for (int64_t t = 0; t < n; t++) {
+        int receivers = 0;
+        for (int r = 0; r < c->world_size; r++)
+            receivers += ctx->e->is_token_in_rank[t * c->world_size + r];
+        for (int64_t i = 0; i < hidden; i++) {
+            float x = moe_bf16_to_float(((const uint16_t *)ctx->in->x)[t * hidden + i]);
+            want[t * hidden + i] = moe_float_to_bf16(x * (float)receivers);
+        }
+    }
+    nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    free(got);
+    free(want);
+    mr_mem_free(out_x);
+}
+
+/* ---------------------------------------------------------------- one case */
+
+/* The first round: every way of calling dispatch and combine, on buffer `buffer`. */
+static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in,
+                           int64_t max_tokens)
+{
+    const moe_case_t *c = ctx->c;
+    outputs_t exact, worst;
+
+    check_layout(ctx, buffer, in);
+    epx_handle_t views = dispatch_fresh_views(ctx, buffer, in, "fresh dispatch (views)");
+    /* One spare row: outputs only need to be at least as large as what arrives. */
+    epx_handle_t owned = dispatch_fresh_outputs(ctx, buffer, in, ctx->e->num_recv + 1, 0,
+                                                &exact, "fresh dispatch (caller outputs)");
+    combine_check(ctx, buffer, views, 1, "combine with weights");
+    combine_check(ctx, buffer, views, 0, "combine without weights");
+    if (c->dtype == EPX_DTYPE_BF16)
+        roundtrip_check(ctx, buffer, owned, exact.x);
+    dispatch_cached(ctx, buffer, in, views);
+    combine_check(ctx, buffer, views, 1, "combine after cached dispatch");
+
+    epx_handle_t worst_handle =
+        dispatch_fresh_outputs(ctx, buffer, in, max_tokens * c->world_size,
+                               EPX_DISPATCH_WORST_CASE, &worst, "worst-case dispatch");
+    combine_check(ctx, buffer, worst_handle, 1, "combine of worst-case dispatch");
+
+    CHECK_OK(epx_handle_destroy(worst_handle));
+    CHECK_OK(epx_handle_destroy(owned));
+    CHECK_OK(epx_handle_destroy(views));
+    outputs_free(&exact);
+    outputs_free(&worst);
+}
+
+static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
+{
+    const normal_case_t *nc = &cases[index];
+    double start = mr_now_ms();
+    moe_case_t c = make_case(nc, info->world_size, index, 0);
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = nc->max_tokens;
+    config.hidden = c.hidden;
+    config.num_experts = c.num_experts;
+    config.num_topk = c.num_topk;
+    config.dispatch_dtype = c.dtype;
+    epx_buffer_t buffer;
+    CHECK_OK(epx_buffer_create(group, &config, &buffer));
+
+    /* Later rounds reuse the buffer with new routing and values. */
+    for (int round = 0; round < NUM_ROUNDS; round++) {
+        c = make_case(nc, info->world_size, index, round);
+        inputs_t in;
+        moe_expected_t e;
+        char step[64];
+        inputs_make(&c, info->rank, &in);
+        CHECK_EQ_INT(moe_oracle_dispatch(&c, info->rank, &e), 0);
+        nt_ctx_t ctx = {nc->name, info->rank, &c, &e, &in.host};
+        if (round == 0) {
+            run_full_round(&ctx, buffer, &in, nc->max_tokens);
+        } else {
+            snprintf(step, sizeof step, "round %d dispatch", round);
+            epx_handle_t handle = dispatch_fresh_views(&ctx, buffer, &in, step);
+            snprintf(step, sizeof step, "round %d combine", round);
+            combine_check(&ctx, buffer, handle, 1, step);
+            CHECK_OK(epx_handle_destroy(handle));
+        }
+        moe_expected_free(&e);
+        inputs_free(&in);
+    }
+    CHECK_OK(epx_buffer_destroy(buffer));
+    /* Rank 0 reports a case only once every rank got through it. */
+    CHECK_OK(epx_group_barrier(group));
+    if (info->rank == 0)
+        printf("test_normal: %-15s ok (%d ranks, %s backend, %d experts, top-%d, %.0f ms)\n",
+               nc->name, info->world_size, epx_backend_name(info->backend), c.num_experts,
+               c.num_topk, mr_now_ms() - start);
+}
+
+int main(int argc, char **argv)
+{
+    const char *name = mr_flag(argc, argv, "--case", "all");
+    int found = 0;
+    for (int i = 0; i < NUM_CASES; i++)
+        found |= strcmp(name, "all") == 0 || strcmp(name, cases[i].name) == 0;
+    if (!found) {
+        fprintf(stderr, "test_normal: no case named %s; cases:", name);
+        for (int i = 0; i < NUM_CASES; i++)
+            fprintf(stderr, " %s", cases[i].name);
+        fprintf(stderr, "\n");
+        return 2;
+    }
+
+    epx_group_info_t info;
+    epx_group_t group = mr_group_create(argc, argv, &info);
+    for (int i = 0; i < NUM_CASES; i++)
+        if (strcmp(name, "all") == 0 || strcmp(name, cases[i].name) == 0)
+            run_case(group, &info, i);
+    CHECK_OK(epx_group_destroy(group));
+    return 0;
+}

@@ -1,0 +1,36 @@
+# Multi-rank tests: programs started through `epx launch` (test_killed_rank starts its
+# own ranks). Included by tests/CMakeLists.txt; ctest -L multirank runs them.
+set(EPX_TEST_BACKEND "auto" CACHE STRING "Backend for the multi-rank tests: auto, host or cuda")
+
+set(EPX_MULTIRANK_DIR ${CMAKE_CURRENT_LIST_DIR})
+add_library(epx_multirank_common STATIC ${EPX_MULTIRANK_DIR}/mem.c ${EPX_MULTIRANK_DIR}/harness.c)
+target_include_directories(epx_multirank_common PUBLIC ${EPX_MULTIRANK_DIR})
+target_link_libraries(epx_multirank_common PUBLIC epx_internal epx_test_common)
+
+add_executable(test_normal ${EPX_MULTIRANK_DIR}/test_normal.c ${EPX_MULTIRANK_DIR}/normal_check.c)
+add_executable(test_bad_input
+               ${EPX_MULTIRANK_DIR}/test_bad_input.c ${EPX_MULTIRANK_DIR}/bad_input_dispatch.c
+               ${EPX_MULTIRANK_DIR}/bad_input_combine.c ${EPX_MULTIRANK_DIR}/bad_input_remote.c)
+add_executable(test_killed_rank ${EPX_MULTIRANK_DIR}/test_killed_rank.c)
+foreach(program test_normal test_bad_input test_killed_rank)
+  target_link_libraries(${program} PRIVATE epx_multirank_common)
+endforeach()
+
+set(EPX_LAUNCH $<TARGET_FILE:epx_tool> launch)
+foreach(ranks 1 2 3 4 8)
+  add_test(NAME multirank.normal.n${ranks}
+           COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_normal>
+                   --backend ${EPX_TEST_BACKEND})
+  set_tests_properties(multirank.normal.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
+endforeach()
+
+foreach(ranks 1 2)
+  add_test(NAME multirank.bad_input.n${ranks}
+           COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_bad_input>
+                   --backend ${EPX_TEST_BACKEND})
+  set_tests_properties(multirank.bad_input.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
+endforeach()
+
+add_test(NAME multirank.killed_rank
+         COMMAND test_killed_rank --backend ${EPX_TEST_BACKEND})
+set_tests_properties(multirank.killed_rank PROPERTIES TIMEOUT 120 LABELS multirank)
