@@ -1,0 +1,130 @@
+/*
+ * The pieces of `epx bench` that decide PASS/FAIL and the numbers printed: exact and
+ * one-ulp comparisons (and the row/column they report), median and p99, the floor.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "bench.h"
+#include "bench_report.h"
+#include "test_util.h"
+
+static char captured[4096];
+
+/* Run a comparison with stderr sent to a file, keep what it printed in `captured`. */
+#define CAPTURE(result, call)                                        \
+    do {                                                             \
+        fflush(stderr);                                              \
+        FILE *capture_file_ = tmpfile();                             \
+        CHECK(capture_file_ != NULL);                                \
+        int saved_fd_ = dup(2);                                      \
+        dup2(fileno(capture_file_), 2);                              \
+        (result) = (call);                                           \
+        fflush(stderr);                                              \
+        dup2(saved_fd_, 2);                                          \
+        close(saved_fd_);                                            \
+        rewind(capture_file_);                                       \
+        size_t got_ = fread(captured, 1, sizeof(captured) - 1, capture_file_); \
+        captured[got_] = '\0';                                       \
+        fclose(capture_file_);                                       \
+    } while (0)
+
+static void test_exact_compare(void)
+{
+    int64_t expected[6] = {1, 2, 3, 4, 5, 6};
+    int64_t got[6] = {1, 2, 3, 4, 5, 6};
+    int ok;
+    CAPTURE(ok, epx__bench_compare("rank 1 bf16", "recv_topk_idx", EPX_DTYPE_INT64, got,
+                                   expected, 2, 3));
+    CHECK_EQ_INT(ok, 1);
+    CHECK_EQ_INT(strlen(captured), 0);
+
+    got[5] = -1; /* row 1, column 2 */
+    got[4] = 9;  /* row 1, column 1: the first difference */
+    CAPTURE(ok, epx__bench_compare("rank 1 bf16", "recv_topk_idx", EPX_DTYPE_INT64, got,
+                                   expected, 2, 3));
+    CHECK_EQ_INT(ok, 0);
+    CHECK(strstr(captured, "rank 1 bf16: recv_topk_idx differs at row 1 column 1: got 9, "
+                           "expected 5") != NULL);
+
+    /* Floats compare by bits: -0.0 is not 0.0 for an exact copy. */
+    float expected_f[2] = {0.0f, 1.5f}, got_f[2] = {-0.0f, 1.5f};
+    CAPTURE(ok, epx__bench_compare("r", "weights", EPX_DTYPE_FP32, got_f, expected_f, 1, 2));
+    CHECK_EQ_INT(ok, 0);
+    CHECK(strstr(captured, "row 0 column 0") != NULL);
+
+    uint8_t expected_b[4] = {1, 0, 0, 1}, got_b[4] = {1, 0, 1, 1};
+    CAPTURE(ok, epx__bench_compare("r", "is_token_in_rank", EPX_DTYPE_BOOL, got_b, expected_b,
+                                   2, 2));
+    CHECK_EQ_INT(ok, 0);
+    CHECK(strstr(captured, "row 1 column 0: got 0x01, expected 0x00") != NULL);
+}
+
+static void test_bf16_ulp(void)
+{
+    /* 1.0 = 0x3f80; its neighbours 0x3f7f and 0x3f81 are one ulp away. */
+    uint16_t expected[4] = {0x3f80, 0x3f80, 0x0000, 0xbf80};
+    uint16_t got[4] = {0x3f81, 0x3f7f, 0x8000, 0xbf81};
+    int ok;
+    CAPTURE(ok, epx__bench_compare_bf16("r", "combine out_x", got, expected, 2, 2, 1));
+    CHECK_EQ_INT(ok, 1);
+
+    got[3] = 0xbf82; /* two ulps below -1.0 */
+    CAPTURE(ok, epx__bench_compare_bf16("r", "combine out_x", got, expected, 2, 2, 1));
+    CHECK_EQ_INT(ok, 0);
+    CHECK(strstr(captured, "combine out_x differs at row 1 column 1") != NULL);
+
+    /* The smallest positive and negative values straddle zero: two ulps apart. */
+    uint16_t tiny_expected[1] = {0x0001}, tiny_got[1] = {0x8001};
+    CAPTURE(ok, epx__bench_compare_bf16("r", "x", tiny_got, tiny_expected, 1, 1, 1));
+    CHECK_EQ_INT(ok, 0);
+
+    uint16_t nan_expected[1] = {0x7fc0}, nan_got[1] = {0x7fc0};
+    CAPTURE(ok, epx__bench_compare_bf16("r", "x", nan_got, nan_expected, 1, 1, 1));
+    CHECK_EQ_INT(ok, 0); /* NaN is never a correct sum */
+}
+
+static void test_statistics(void)
+{
+    double odd[3] = {3, 1, 2};
+    CHECK(epx__bench_median(odd, 3) == 2);
+    double even[4] = {4, 1, 3, 2};
+    CHECK(epx__bench_median(even, 4) == 2.5);
+    double hundred[100];
+    for (int i = 0; i < 100; i++)
+        hundred[i] = 100 - i; /* 100 .. 1 */
+    CHECK(epx__bench_p99(hundred, 100) == 99);
+    double three[3] = {5, 7, 6};
+    CHECK(epx__bench_p99(three, 3) == 7);
+    CHECK(isnan(epx__bench_median(three, 0)));
+}
+
+static void test_floor(void)
+{
+    epx__bench_context_t context;
+    memset(&context, 0, sizeof(context));
+    context.floor_bw_gbps = 4250;
+    epx__bench_row_t row;
+    memset(&row, 0, sizeof(row));
+    row.bytes_per_rank = 1000;
+    row.total_bytes = 8500000000LL; /* 8.5 GB read and written at 4250 GB/s: 4 ms */
+    CHECK(fabs(epx__bench_floor_us(&context, &row) - 4000.0) < 1e-6);
+    row.bytes_per_rank = 0; /* layout: no payload, no floor */
+    CHECK(isnan(epx__bench_floor_us(&context, &row)));
+    row.bytes_per_rank = 1000;
+    context.floor_bw_gbps = 0;
+    CHECK(isnan(epx__bench_floor_us(&context, &row)));
+}
+
+int main(void)
+{
+    test_exact_compare();
+    test_bf16_ulp();
+    test_statistics();
+    test_floor();
+    printf("PASS test_bench_helpers\n");
+    return 0;
+}

@@ -1,0 +1,236 @@
+#!/bin/sh
+# Command-level tests of the `epx` executable: tools_test.sh EPX CASE.
+# Each case runs the command, then asserts on its exit status and output; a failure
+# prints what was expected and what the command wrote.
+EPX=$1
+CASE=$2
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+
+fail() {
+    echo "FAIL [$CASE]: $*" >&2
+    for f in out err; do
+        [ -s "$TMP/$f" ] && sed "s/^/  std$f: /" "$TMP/$f" >&2
+    done
+    exit 1
+}
+
+# run CMD...: stdout to $TMP/out, stderr to $TMP/err, status in $rc, seconds in $took.
+run() {
+    start=$(date +%s)
+    "$@" >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    took=$(($(date +%s) - start))
+}
+
+expect_rc() { [ "$rc" -eq "$1" ] || fail "exit status $rc, expected $1"; }
+expect_out() { grep -q -e "$1" "$TMP/out" || fail "stdout lacks '$1'"; }
+expect_err() { grep -q -e "$1" "$TMP/err" || fail "stderr lacks '$1'"; }
+expect_fast() { [ "$took" -le "$1" ] || fail "took $took s, expected at most $1 s"; }
+expect_count() { # PATTERN FILE COUNT
+    n=$(grep -c -e "$1" "$TMP/$2")
+    [ "$n" -eq "$3" ] || fail "$n lines of $2 match '$1', expected $3"
+}
+
+# Remove the MPS directory a failed run kept (named in its stderr), and only that one.
+remove_mps_dir() {
+    kept=$(sed -n 's@.*\(/tmp/epx-mps-[0-9][0-9]*\)/log.*@\1@p' "$TMP/err" | head -1)
+    [ -n "$kept" ] && rm -rf "$kept"
+}
+
+case "$CASE" in
+launch_env)
+    run "$EPX" launch -n 3 -- sh -c \
+        'echo "env $EPX_RANK $EPX_WORLD_SIZE $EPX_LOCAL_RANK $NVSHMEM_DISABLE_NVLS $NCCL_NVLS_ENABLE ${EPX_UNIQUE_ID:-none} ${EPX_RANKS_PER_NODE:-unset} ${EPX_BACKEND:-unset}"'
+    expect_rc 0
+    for r in 0 1 2; do
+        expect_out "^\[rank $r\] env $r 3 $r 1 0 epx1:.* unset unset\$"
+    done
+    expect_count '^\[rank' out 3
+    # Every rank gets the same id.
+    ids=$(sed 's/.* \(epx1:[^ ]*\) .*/\1/' "$TMP/out" | sort -u | wc -l)
+    [ "$ids" -eq 1 ] || fail "ranks got $ids different unique ids"
+    # Optional settings, and NVLS values the user set are kept.
+    run env NCCL_NVLS_ENABLE=1 "$EPX" launch -n 2 --ranks-per-node 1 --backend host -- sh -c \
+        'echo "opt $EPX_RANKS_PER_NODE $EPX_BACKEND $NCCL_NVLS_ENABLE"'
+    expect_rc 0
+    expect_count '^\[rank [01]\] opt 1 host 1$' out 2
+    ;;
+launch_output)
+    run "$EPX" launch -n 2 -- sh -c 'printf "one\ntwo\n"; echo oops >&2; printf "no newline"'
+    expect_rc 0
+    for r in 0 1; do
+        expect_out "^\[rank $r\] one\$"
+        expect_out "^\[rank $r\] two\$"
+        expect_out "^\[rank $r\] no newline\$"
+        expect_err "^\[rank $r\] oops\$"
+    done
+    expect_count 'oops' out 0
+    ;;
+launch_failure)
+    # Rank 2 fails at once; the sleeping ranks must be stopped, not waited for.
+    run "$EPX" launch -n 3 -- sh -c 'if [ "$EPX_RANK" = 2 ]; then echo bye; exit 7; fi; sleep 60'
+    expect_rc 7
+    expect_fast 10
+    expect_err 'epx launch: rank 2 exited with status 7'
+    expect_out '^\[rank 2\] bye$'
+    # A rank killed by a signal: 128 + signal.
+    run "$EPX" launch -n 2 -- sh -c 'if [ "$EPX_RANK" = 1 ]; then kill -9 $$; fi; sleep 60'
+    expect_rc 137
+    expect_fast 10
+    expect_err 'epx launch: rank 1 killed by signal 9'
+    # A rank that ignores SIGTERM gets SIGKILL after the grace period.
+    run "$EPX" launch -n 2 -- sh -c 'trap "" TERM; if [ "$EPX_RANK" = 1 ]; then exit 3; fi; sleep 60'
+    expect_rc 3
+    expect_fast 10
+    ;;
+launch_exec_failure)
+    run "$EPX" launch -n 2 -- /nonexistent/program
+    expect_rc 127
+    expect_err "cannot run '/nonexistent/program'"
+    ;;
+launch_timeout)
+    run "$EPX" launch -n 2 --timeout 1 -- sh -c 'if [ "$EPX_RANK" = 0 ]; then exit 0; fi; sleep 60'
+    expect_rc 124
+    expect_fast 10
+    expect_err 'ranks still running: 1$'
+    ;;
+launch_forward_signal)
+    "$EPX" launch -n 2 -- sh -c 'trap "echo term; exit 5" TERM; echo ready; sleep 60 & wait' \
+        >"$TMP/out" 2>"$TMP/err" &
+    pid=$!
+    # Signal only once both ranks run (the launcher has its handlers by then).
+    waited=0
+    while [ "$(grep -c ready "$TMP/out")" -lt 2 ] && [ $waited -lt 100 ]; do
+        sleep 0.1
+        waited=$((waited + 1))
+    done
+    kill -TERM $pid
+    wait $pid
+    rc=$?
+    expect_rc 5
+    expect_count '^\[rank [01]\] term$' out 2
+    ;;
+launch_bad_flag)
+    run "$EPX" launch --bogus -n 2 -- true
+    expect_rc 2
+    expect_err "unknown option '--bogus'"
+    expect_err 'usage: epx launch'
+    run "$EPX" launch -n 0 -- true
+    expect_rc 2
+    run "$EPX" launch -n 2
+    expect_rc 2
+    run "$EPX" launch -n 4 --ranks-per-node 3 -- true
+    expect_rc 2
+    run "$EPX" launch --timeout soon -n 2 -- true
+    expect_rc 2
+    run "$EPX" frobnicate
+    expect_rc 2
+    ;;
+launch_mps)
+    # A stand-in for nvidia-cuda-mps-control that records how it was called.
+    mkdir -p "$TMP/bin" "$TMP/nobin"
+    cat >"$TMP/bin/nvidia-cuda-mps-control" <<MPS
+#!/bin/sh
+if [ "\$1" = -d ]; then input=-; else input=\$(cat); fi
+echo "args=\$* pipe=\$CUDA_MPS_PIPE_DIRECTORY log=\$CUDA_MPS_LOG_DIRECTORY in=\$input" >>"$TMP/mps.log"
+[ -z "\$MPS_FAIL_START" ] || [ "\$1" != -d ]
+MPS
+    chmod +x "$TMP/bin/nvidia-cuda-mps-control"
+    run env PATH="$TMP/bin:$PATH" "$EPX" launch --mps -n 2 -- sh -c 'echo "dir $CUDA_MPS_PIPE_DIRECTORY"'
+    expect_rc 0
+    expect_count '^\[rank [01]\] dir /tmp/epx-mps-[0-9]*/pipe$' out 2
+    dir=$(sed -n 's/^\[rank 0\] dir \(.*\)\/pipe$/\1/p' "$TMP/out")
+    expect_count "^args=-d pipe=$dir/pipe log=$dir/log in=-\$" mps.log 1
+    expect_count "^args= pipe=$dir/pipe log=$dir/log in=quit\$" mps.log 1
+    [ ! -e "$dir" ] || fail "$dir is left behind after a successful run"
+    # The daemon is stopped after a failing run too.
+    rm -f "$TMP/mps.log"
+    run env PATH="$TMP/bin:$PATH" "$EPX" launch --mps -n 2 -- sh -c 'exit 3'
+    expect_rc 3
+    expect_count 'in=quit$' mps.log 1
+    expect_err 'MPS logs kept in /tmp/epx-mps-'
+    remove_mps_dir
+    # A daemon that does not start: no rank runs.
+    run env MPS_FAIL_START=1 PATH="$TMP/bin:$PATH" "$EPX" launch --mps -n 2 -- sh -c 'echo ran'
+    expect_rc 1
+    expect_err "nvidia-cuda-mps-control -d' failed"
+    expect_count 'ran' out 0
+    remove_mps_dir
+    # Not installed: a clear message.
+    run env PATH="$TMP/nobin" "$EPX" launch --mps -n 2 -- true
+    expect_rc 1
+    expect_err 'needs nvidia-cuda-mps-control, which is not in PATH'
+    ;;
+params_list)
+    run env EPX_TIMEOUT_MS=1234 "$EPX" params
+    expect_rc 0
+    expect_out '^EPX_TIMEOUT_MS .*30000 *1234 '
+    expect_out '^EPX_UNIQUE_ID'
+    ;;
+params_bad_value)
+    run env EPX_TIMEOUT_MS=abc "$EPX" params
+    expect_rc 1
+    expect_err 'epx params: EPX_ERR_INVALID_ARG: .*EPX_TIMEOUT_MS'
+    ;;
+version)
+    run "$EPX" version
+    expect_rc 0
+    expect_out '^epx [0-9]*\.[0-9]*\.[0-9]*$'
+    expect_out 'cuda (\(not \)\{0,1\}built)'
+    ;;
+bench_bad_flag)
+    run "$EPX" bench --bogus
+    expect_rc 2
+    expect_err "unknown option '--bogus'"
+    run "$EPX" bench --dtype fp16
+    expect_rc 2
+    run "$EPX" bench --tokens 12x
+    expect_rc 2
+    ;;
+bench_check)
+    run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check
+    expect_rc 0
+    expect_out '^# epx bench: backend host, 2 ranks, tokens 64 hidden 256 experts 8 topk 2'
+    expect_count ' PASS$' out 8
+    expect_count 'FAIL' out 0
+    for op in layout dispatch cached_dispatch combine; do
+        expect_count "^  bf16  $op " out 1
+        expect_count "^  fp8   $op " out 1
+    done
+    # One process without a launcher is a group of one.
+    run "$EPX" bench --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check --alignment 4
+    expect_rc 0
+    expect_count ' PASS$' out 4
+    ;;
+bench_json)
+    run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2
+    expect_rc 0
+    expect_count '.' out 8
+    expect_count '^{.*}$' out 8
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert len(rows) == 8, rows
+for row in rows:
+    assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
+    assert row["check"] == "PASS", row
+    assert row["median_us"] > 0 and row["p99_us"] >= row["median_us"], row
+    # Per iteration the slowest rank took at least as long as rank 0.
+    assert row["slowest_median_us"] >= row["median_us"], row
+    if row["op"] == "layout":
+        assert row["bytes_per_rank"] == 0 and row["floor_us"] is None, row
+    else:
+        assert row["bytes_per_rank"] > 0 and row["total_bytes"] >= row["bytes_per_rank"], row
+        assert row["gbps_per_rank"] > 0 and row["floor_us"] > 0, row
+assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
+    (d, o) for d in ("bf16", "fp8") for o in ("layout", "dispatch", "cached_dispatch", "combine"))
+PY
+    fi
+    ;;
+*)
+    fail "unknown case"
+    ;;
+esac
+echo "PASS [$CASE]"

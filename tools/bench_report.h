@@ -1,0 +1,71 @@
+/*
+ * What `epx bench` prints: the statistics of the timed runs and the DeepEP-style
+ * metrics (bytes per rank, bottleneck bandwidth, the copy floor), as a table with a
+ * header or as one JSON object per line.
+ */
+#ifndef EPX_TOOLS_BENCH_REPORT_H
+#define EPX_TOOLS_BENCH_REPORT_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "epx.h"
+
+typedef enum {
+    EPX__BENCH_OP_LAYOUT = 0,
+    EPX__BENCH_OP_DISPATCH = 1,
+    EPX__BENCH_OP_CACHED_DISPATCH = 2,
+    EPX__BENCH_OP_COMBINE = 3,
+    EPX__BENCH_OP_COUNT = 4,
+} epx__bench_op_t;
+
+const char *epx__bench_op_name(epx__bench_op_t op);
+
+/* The run: the same for every row. */
+typedef struct {
+    const char *backend;
+    int ranks;
+    int64_t tokens;
+    int64_t hidden;
+    int experts;
+    int topk;
+    int alignment;
+    uint64_t seed;
+    int sms;
+    int warmup;
+    int iters;
+    double floor_bw_gbps;     /* 0 = unknown (floor columns print "-") */
+    const char *floor_source; /* how floor_bw_gbps was obtained */
+} epx__bench_context_t;
+
+/* Check results. */
+#define EPX__BENCH_CHECK_NONE (-1)
+#define EPX__BENCH_CHECK_FAIL 0
+#define EPX__BENCH_CHECK_PASS 1
+
+/* One dtype x op. */
+typedef struct {
+    epx_dtype_t dtype;
+    epx__bench_op_t op;
+    double median_us;  /* rank 0's */
+    double p99_us;     /* rank 0's */
+    double slowest_us; /* median over iterations of the slowest rank's time */
+    int64_t bytes_per_rank; /* rank 0's bytes over the link; 0 = no payload (layout) */
+    int64_t total_bytes;    /* the same summed over every rank */
+    int check;              /* EPX__BENCH_CHECK_* (combined over ranks) */
+} epx__bench_row_t;
+
+/* Median (mean of the middle two for an even count) and nearest-rank p99. Sorts. */
+double epx__bench_median(double *values, int count);
+double epx__bench_p99(double *values, int count);
+
+/* Floor time in us: every rank's bytes read once and written once at the floor
+ * bandwidth. NaN when not applicable. Compared with slowest_us: the floor is for all
+ * ranks together. */
+double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row);
+
+void epx__bench_print_header(FILE *out, const epx__bench_context_t *context);
+void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,
+                          const epx__bench_row_t *row, int json);
+
+#endif /* EPX_TOOLS_BENCH_REPORT_H */
