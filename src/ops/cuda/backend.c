@@ -1,0 +1,307 @@
+/*
+ * The CUDA backend's buffers: memory plan, creation (device memory mapped by every peer
+ * through CUDA IPC, a host-mapped control block, a pool for handles), destruction,
+ * aborting peers, the layout operation, and the vtable.
+ *
+ * Normal mode runs over CUDA IPC, so every rank of the group must be in one IPC domain
+ * (ranks_per_node == world_size): one node's NVLink GPUs, or several processes sharing
+ * a GPU under MPS. Across nodes normal mode needs NVSHMEM, which this file does not use.
+ */
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ops/cuda/cuda_backend.h"
+
+#define EPX_CUDA_REGION_ALIGN 256
+
+static int64_t align_up(int64_t value, int64_t alignment)
+{
+    return (value + alignment - 1) / alignment * alignment;
+}
+
+int epx__cuda_device_count(void)
+{
+    int count = 0;
+    /* No driver, no device, a driver too old: all mean "no GPU" here, never a failure. */
+    if (cudaGetDeviceCount(&count) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return count;
+}
+
+int epx__cuda_alignment(const void *data, int64_t pitch_bytes)
+{
+    uint64_t bits = (uint64_t)(uintptr_t)data | (uint64_t)pitch_bytes | 16u;
+    return (int)(bits & (~bits + 1u));
+}
+
+int epx__cuda_blocks_for(const epx__cuda_buffer_t *cuda, int64_t tokens)
+{
+    const int64_t warps = EPX_CUDA_THREADS / 32;
+    int64_t wanted = (tokens + warps - 1) / warps;
+    if (wanted > cuda->num_sms)
+        wanted = cuda->num_sms;
+    return wanted < 1 ? 1 : (int)wanted;
+}
+
+epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
+                            epx__cuda_shape_t *s, size_t *handle_slot_bytes)
+{
+    int R = group->world_size;
+    if (R > EPX_CUDA_MAX_RANKS)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: the CUDA backend's normal mode takes at most %d ranks, the "
+                         "group has %d",
+                         EPX_CUDA_MAX_RANKS, R);
+    if (group->ranks_per_node != R)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: normal mode over CUDA IPC needs every rank in one node "
+                         "(ranks_per_node %d, world size %d); internode normal mode is not "
+                         "built",
+                         group->ranks_per_node, R);
+    if (config->num_experts > EPX_CUDA_MAX_EXPERTS)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: the CUDA backend takes at most %d experts, config has %d",
+                         EPX_CUDA_MAX_EXPERTS, config->num_experts);
+    memset(s, 0, sizeof(*s));
+    s->rank = group->rank;
+    s->world_size = R;
+    s->num_experts = config->num_experts;
+    s->num_local_experts = config->num_experts / R;
+    s->num_topk = config->num_topk;
+    s->hidden = config->hidden;
+    s->max_recv = config->max_tokens_per_rank * R;
+    s->timeout_ns = group->timeout_ms * 1000000;
+
+    int64_t L = s->num_local_experts, K = s->num_topk, rows = s->max_recv;
+    int64_t off = sizeof(epx__cuda_ctrl_t);
+    s->off_slots = off;
+    off += (int64_t)R * (int64_t)sizeof(epx__cuda_slot_t);
+    s->off_rank_counts = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += 2 * (int64_t)R * R * 4;
+    s->off_expert_counts = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += 2 * (int64_t)R * L * 4;
+    /* Rows are sized for bf16 whatever the dispatch dtype: combine's input is bf16. */
+    s->x_pitch_max = s->hidden * 2;
+    s->off_x = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += rows * s->x_pitch_max;
+    s->off_scales = -1;
+    if (s->hidden % 128 == 0) {
+        s->off_scales = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+        off += rows * (s->hidden / 128) * 4;
+    }
+    s->off_topk_idx = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += rows * K * 8;
+    s->off_topk_weights = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += rows * K * 4;
+    s->off_combine_weights = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += rows * K * 4;
+    s->shared_bytes = align_up(off, 1 << 21);
+
+    int64_t slot = align_up(config->max_tokens_per_rank * R * 4, EPX_CUDA_REGION_ALIGN);
+    slot += EPX_CUDA_REGION_ALIGN + align_up(L * 4, EPX_CUDA_REGION_ALIGN);
+    *handle_slot_bytes = (size_t)slot;
+    return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
+                                     size_t *bytes)
+{
+    epx__cuda_shape_t shape;
+    size_t slot = 0;
+    EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
+    *bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t);
+    return EPX_SUCCESS;
+}
+
+static void release_buffer(epx__cuda_buffer_t *cuda)
+{
+    if (cuda == NULL)
+        return;
+    if (cuda->abort_stream != NULL)
+        (void)cudaStreamDestroy(cuda->abort_stream);
+    if (cuda->abort_word != NULL)
+        (void)cudaFreeHost(cuda->abort_word);
+    if (cuda->mapped != NULL)
+        (void)cudaFreeHost(cuda->mapped);
+    if (cuda->local != NULL)
+        (void)cudaFree(cuda->local);
+    epx__cuda_ipc_destroy(cuda->ipc);
+    if (cuda->pool != NULL)
+        epx__cuda_pool_release(cuda->pool);
+    (void)cudaGetLastError();
+    free(cuda);
+}
+
+/* Local resources besides the shared region: device state, mapped block, abort path. */
+static epx_status_t create_local(epx_buffer_t buffer, epx__cuda_buffer_t *cuda)
+{
+    epx__cuda_shape_t *s = &cuda->shape;
+    int R = s->world_size;
+    EPX_CUDA_CHECK(cudaMalloc((void **)&cuda->local, sizeof(epx__cuda_local_t)),
+                   "buffer_create: cudaMalloc of the device state");
+    epx__cuda_local_t init;
+    memset(&init, 0, sizeof(init));
+    for (int r = 0; r < R; r++)
+        init.peers[r] = cuda->ipc->peers[r];
+    EPX_CUDA_CHECK(cudaMemcpy(cuda->local, &init, sizeof(init), cudaMemcpyHostToDevice),
+                   "buffer_create: initialising the device state");
+
+    size_t mapped_bytes = sizeof(epx__cuda_mapped_t) +
+                          ((size_t)R * R + (size_t)s->num_local_experts) * sizeof(int32_t);
+    EPX_CUDA_CHECK(cudaHostAlloc((void **)&cuda->mapped, mapped_bytes, cudaHostAllocMapped),
+                   "buffer_create: cudaHostAlloc of %zu bytes (mapped control block)",
+                   mapped_bytes);
+    memset(cuda->mapped, 0, mapped_bytes);
+    cuda->mapped_rank_counts = (int32_t *)(cuda->mapped + 1);
+    cuda->mapped_recv_per_expert = cuda->mapped_rank_counts + (size_t)R * R;
+    void *device_view = NULL;
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(&device_view, cuda->mapped, 0),
+                   "buffer_create: device address of the mapped control block");
+    s->local = cuda->local;
+    s->mapped = device_view;
+    s->mapped_rank_counts = (int32_t *)(s->mapped + 1);
+    s->mapped_recv_per_expert = s->mapped_rank_counts + (size_t)R * R;
+
+    EPX_CUDA_CHECK(cudaHostAlloc((void **)&cuda->abort_word, sizeof(uint64_t), cudaHostAllocDefault),
+                   "buffer_create: cudaHostAlloc of the abort word");
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&cuda->abort_stream, cudaStreamNonBlocking),
+                   "buffer_create: creating the abort stream");
+    /* A few handles up front: growing the pool is not allowed during graph capture. */
+    EPX_CHECK(epx__cuda_pool_create(buffer->group->device, cuda->handle_slot_bytes, 4,
+                                    &cuda->pool));
+    EPX_CUDA_CHECK(cudaDeviceSynchronize(), "buffer_create: initialising device memory");
+    return EPX_SUCCESS;
+}
+
+static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
+{
+    epx_group_t group = buffer->group;
+    epx__cuda_buffer_t *cuda = calloc(1, sizeof(*cuda));
+    if (cuda == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
+    cuda->num_sms = buffer->config.num_sms;
+    /* Every rank runs the same checks on the same config, so all fail alike here. */
+    epx_status_t status = epx__cuda_plan(group, &buffer->config, &cuda->shape,
+                                         &cuda->handle_slot_bytes);
+    if (status != EPX_SUCCESS) {
+        free(cuda);
+        return status;
+    }
+    cudaError_t err = cudaSetDevice(group->device);
+    if (err != cudaSuccess)
+        status = EPX_CUDA_ERROR(err, "buffer_create: cudaSetDevice(%d)", group->device);
+    /* Collective: a local failure above is carried into the IPC step's vote. */
+    status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status, &cuda->ipc);
+    if (status == EPX_SUCCESS)
+        status = create_local(buffer, cuda);
+    /* Everyone learns whether everyone is ready before any rank starts an operation. */
+    int32_t mine = (int32_t)status;
+    int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
+    epx_status_t gathered =
+        all == NULL ? EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory")
+                    : epx__bootstrap_allgather(group->bootstrap, &mine, all, sizeof(mine));
+    if (status == EPX_SUCCESS && gathered != EPX_SUCCESS)
+        status = gathered;
+    for (int r = 0; status == EPX_SUCCESS && r < group->world_size; r++)
+        if (all[r] != EPX_SUCCESS)
+            status = EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d failed (%s)", r,
+                               epx_status_string((epx_status_t)all[r]));
+    free(all);
+    if (status != EPX_SUCCESS) {
+        release_buffer(cuda);
+        return status;
+    }
+    buffer->impl = cuda;
+    EPX_INFO(EPX_SUBSYS_TRANSPORT,
+             "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",
+             group->device, (double)cuda->shape.shared_bytes / 1e6, group->world_size - 1);
+    return EPX_SUCCESS;
+}
+
+static void cuda_buffer_destroy(epx_buffer_t buffer)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    if (cuda == NULL)
+        return;
+    (void)cudaSetDevice(buffer->group->device);
+    /* Let this rank's queued operations finish, then wait until every peer's have:
+     * a peer may still be reading this rank's memory (combine pulls). A buffer that
+     * failed skips the barrier: its peers may be gone. */
+    (void)cudaDeviceSynchronize();
+    if (atomic_load(&buffer->async_error) == EPX_SUCCESS && !epx__cuda_note_failure(buffer))
+        (void)epx__bootstrap_barrier(buffer->group->bootstrap);
+    release_buffer(cuda);
+    buffer->impl = NULL;
+}
+
+static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *message)
+{
+    (void)message;
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    if (cuda == NULL)
+        return;
+    int me = buffer->group->rank;
+    int culprit = epx__cuda_failure_culprit(buffer);
+    if (culprit < 0)
+        culprit = me;
+    int code = status == EPX_ERR_TIMEOUT ? 1 : 2;
+    *cuda->abort_word = EPX_CUDA_ABORT_PACK(code, EPX_CUDA_STAGE_NONE, me, culprit);
+    /* Through a non-blocking stream: the user's stream may hold kernels that spin. */
+    for (int r = 0; r < buffer->group->world_size; r++)
+        if (r != me)
+            (void)cudaMemcpyAsync(cuda->ipc->peers[r], cuda->abort_word, sizeof(uint64_t),
+                                  cudaMemcpyHostToDevice, cuda->abort_stream);
+    int64_t deadline = epx__now_ns() + 1000000000ll;
+    while (cudaStreamQuery(cuda->abort_stream) == cudaErrorNotReady && epx__now_ns() < deadline)
+        sched_yield();
+    (void)cudaGetLastError();
+}
+
+static epx_status_t cuda_layout(epx_buffer_t buffer, const epx_layout_args_t *args, void *stream)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    cudaStream_t st = (cudaStream_t)stream;
+    EPX_CHECK(epx__cuda_poll(buffer));
+    epx__cuda_layout_args_t a;
+    memset(&a, 0, sizeof(a));
+    a.topk_idx = args->topk_idx.data;
+    a.topk_stride = epx__tensor_row_stride(&args->topk_idx);
+    a.num_tokens = args->topk_idx.shape[0];
+    a.num_tokens_per_rank = args->num_tokens_per_rank.data;
+    a.num_tokens_per_expert = args->num_tokens_per_expert.data;
+    if (epx__tensor_given(&args->is_token_in_rank)) {
+        a.is_token_in_rank = args->is_token_in_rank.data;
+        a.in_rank_stride = epx__tensor_row_stride(&args->is_token_in_rank);
+    }
+    EPX_CUDA_CHECK(cudaMemsetAsync(a.num_tokens_per_rank, 0,
+                                   (size_t)buffer->group->world_size * sizeof(int32_t), st),
+                   "get_dispatch_layout: zeroing num_tokens_per_rank");
+    EPX_CUDA_CHECK(cudaMemsetAsync(a.num_tokens_per_expert, 0,
+                                   (size_t)buffer->config.num_experts * sizeof(int32_t), st),
+                   "get_dispatch_layout: zeroing num_tokens_per_expert");
+    EPX_CUDA_CHECK(epx__cuda_launch_layout(&cuda->shape, &a, cuda->num_sms, st),
+                   "get_dispatch_layout: launching the layout kernel");
+    return EPX_SUCCESS;
+}
+
+/* A device failure (seen after CUDA graph replays, say) becomes the async error. */
+static void cuda_poll_async_error(epx_buffer_t buffer)
+{
+    if (buffer->impl != NULL)
+        (void)epx__cuda_note_failure(buffer);
+}
+
+const epx__backend_ops_t epx__cuda_backend = {
+    .name = "cuda",
+    .buffer_size = cuda_buffer_size,
+    .buffer_create = cuda_buffer_create,
+    .buffer_destroy = cuda_buffer_destroy,
+    .abort = cuda_abort,
+    .layout = cuda_layout,
+    .dispatch = epx__cuda_dispatch,
+    .combine = epx__cuda_combine,
+    .poll_async_error = cuda_poll_async_error,
+};

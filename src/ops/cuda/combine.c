@@ -1,0 +1,115 @@
+/*
+ * Host side of combine on the CUDA backend: decide where peers read this rank's input
+ * from, then one kernel (combine.cu) in which every home rank pulls its tokens' rows.
+ *
+ * The pull reads each expert-output row straight from the rank that holds it, so that
+ * row has to be in memory the peers have mapped:
+ *   - x inside this rank's buffer (for example the dispatch recv_x view, overwritten
+ *     in place with the expert outputs; a bf16 dispatch's view has exactly combine's
+ *     shape): peers read it where it is. No copy at all.
+ *   - x anywhere else: one local copy into the receive region first (its dispatch
+ *     views are no longer valid: this is a new operation), then the pull.
+ * Top-k weights, when given, are copied into the combine-weights region (small).
+ * No host wait: failures surface through the device error record.
+ */
+#include <string.h>
+
+#include "ops/cuda/cuda_backend.h"
+
+/* Queue a local copy of `rows` rows into the shared region at `offset`. */
+static epx_status_t stage_rows(epx__cuda_buffer_t *cuda, const epx_tensor_t *tensor,
+                               int64_t offset, int64_t row_bytes, int64_t rows,
+                               const int32_t *rows_device, cudaStream_t stream, const char *what)
+{
+    epx__cuda_copy_args_t c;
+    memset(&c, 0, sizeof(c));
+    c.src = tensor->data;
+    c.src_pitch = epx__tensor_row_stride(tensor) * (int64_t)epx_dtype_size(tensor->dtype);
+    c.dst = (char *)cuda->ipc->local + offset;
+    c.dst_pitch = row_bytes;
+    c.row_bytes = row_bytes;
+    c.rows = rows;
+    c.rows_device = rows_device;
+    EPX_CUDA_CHECK(epx__cuda_launch_copy(&c, cuda->num_sms, stream),
+                   "combine: copying %s into the buffer", what);
+    return EPX_SUCCESS;
+}
+
+/*
+ * Where x's rows are, as an offset in this rank's shared allocation: 1 when x already
+ * lies inside it (usable in place), 0 when it lies outside, an error when it straddles
+ * the edge or cannot be read with 16-byte vectors in place.
+ */
+static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
+                             int64_t rows, int *inside, int64_t *offset, int64_t *stride)
+{
+    uintptr_t base = (uintptr_t)cuda->ipc->local;
+    uintptr_t end = base + (uintptr_t)cuda->shape.shared_bytes;
+    uintptr_t first = (uintptr_t)x->data;
+    int64_t pitch = epx__tensor_row_stride(x) * 2;
+    int64_t row_bytes = cuda->shape.hidden * 2;
+    uintptr_t last = first + (uintptr_t)(rows > 0 ? (rows - 1) * pitch + row_bytes : 0);
+    *inside = 0;
+    if (last <= base || first >= end)
+        return EPX_SUCCESS;
+    if (first < base + (uintptr_t)cuda->shape.off_x || last > end)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "combine: x overlaps the buffer's memory but does not lie inside its "
+                         "data region; pass a view of the buffer (e.g. recv_x) or memory "
+                         "outside it");
+    if ((first - base) % 16 != 0 || pitch % 16 != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "combine: x lies in the buffer at byte offset %llu with row pitch %lld; "
+                         "in place it must be 16-byte aligned",
+                         (unsigned long long)(first - base), (long long)pitch);
+    *inside = 1;
+    *offset = (int64_t)(first - base);
+    *stride = pitch;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    const epx__cuda_shape_t *s = &cuda->shape;
+    cudaStream_t st = (cudaStream_t)stream;
+    EPX_CHECK(epx__cuda_poll(buffer));
+    const struct epx_handle *handle = args->handle;
+    const epx__cuda_handle_state_t *state = handle->backend_state;
+    if (state == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
+
+    int64_t rows = args->x.shape[0];
+    if (rows > s->max_recv)
+        rows = s->max_recv; /* rows past any rank's receive count are never read */
+    int inside = 0;
+    int64_t x_offset = s->off_x, x_stride = s->hidden * 2;
+    EPX_CHECK(locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride));
+    if (!inside)
+        EPX_CHECK(stage_rows(cuda, &args->x, s->off_x, s->hidden * 2, rows, state->recv_count, st,
+                             "x"));
+    int has_weights = epx__tensor_given(&args->topk_weights);
+    if (has_weights)
+        EPX_CHECK(stage_rows(cuda, &args->topk_weights, s->off_combine_weights,
+                             (int64_t)s->num_topk * 4, rows, state->recv_count, st,
+                             "topk_weights"));
+
+    epx__cuda_combine_args_t c;
+    memset(&c, 0, sizeof(c));
+    c.send_row = state->send_row;
+    c.num_tokens = handle->num_tokens;
+    c.out_x = args->out_x.data;
+    c.out_stride = epx__tensor_row_stride(&args->out_x) * 2;
+    c.out_align = epx__cuda_alignment(c.out_x, c.out_stride);
+    c.has_weights = has_weights;
+    if (has_weights) {
+        c.out_weights = args->out_topk_weights.data;
+        c.out_weights_stride = epx__tensor_row_stride(&args->out_topk_weights);
+    }
+    c.x_offset = x_offset;
+    c.x_stride = x_stride;
+    c.x_rows = rows;
+    c.num_blocks = epx__cuda_blocks_for(cuda, handle->num_tokens);
+    EPX_CUDA_CHECK(epx__cuda_launch_combine(s, &c, st), "combine: launching the combine kernel");
+    return EPX_SUCCESS;
+}

@@ -1,0 +1,187 @@
+/*
+ * Combine kernel: the inverse route of dispatch, as a pull. Each home rank reads, for
+ * each of its tokens, the row every receiving rank holds for it, straight out of that
+ * rank's buffer (CUDA IPC), sums them in fp32 in registers in rank order (the order of
+ * the reference), and writes one bf16 row to out_x. Each expert-output byte is read
+ * once and each output byte written once.
+ *
+ * What the peers expose: their combine input x, somewhere in their shared allocation:
+ * either the caller's x itself, when it lies in the buffer (computed in place into the
+ * dispatch receive view), or a copy the host side made into the receive region just
+ * before this kernel. Each rank publishes (offset, row stride, rows) with its ready
+ * flag. Top-k weights, when combined, were copied into the combine-weights region.
+ *
+ * Roles: a one-block ready kernel publishes this rank's input and waits for every
+ * peer's (so at most one block per rank spins, whatever the SM budget). In the pull
+ * kernel every warp is a reducer: one token at a time, lanes split the row into
+ * 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane.
+ *
+ * Signals: the last block to finish stores the sequence number into every peer's done
+ * flag and waits for everyone's: when the kernel ends nobody reads this rank's buffer
+ * any more, so the next operation may overwrite it.
+ *
+ * Buffer use: reads only; the row of a token at rank r is send_row[t][r] < rows of r's
+ * x (checked; a short x is an error naming the rank, never an out-of-bounds read).
+ */
+#include "signal.cuh"
+
+#define EPX_COMBINE_WARPS (EPX_CUDA_THREADS / 32)
+
+/*
+ * One block: publish where this rank's x is (offset, stride, rows) and that it is ready,
+ * then wait until every peer has done the same. Kept out of the pull kernel so that at
+ * most one block per rank ever spins here, whatever the SM budget.
+ */
+__global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t s,
+                                                               epx__cuda_combine_args_t a)
+{
+    const int R = s.world_size, me = s.rank;
+    const uint64_t seq = epx_op_seq(s);
+    if (epx_failed(s))
+        return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        epx__cuda_slot_t *slot = epx_slot(s, r, me);
+        slot->ready_offset = a.x_offset;
+        slot->ready_stride = a.x_stride;
+        slot->ready_rows = a.x_rows;
+        __threadfence_system();
+        epx_st_release_sys(&slot->ready_flag, seq);
+    }
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);
+}
+
+template <int kUnroll, int kGroup>
+__global__ void __launch_bounds__(EPX_CUDA_THREADS)
+    epx_combine_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a)
+{
+    __shared__ const char *x_base[EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t x_stride[EPX_CUDA_MAX_RANKS];
+    __shared__ int64_t x_rows[EPX_CUDA_MAX_RANKS];
+    __shared__ const char *src_row[EPX_COMBINE_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ const float *src_weights[EPX_COMBINE_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int last;
+
+    const int R = s.world_size, K = s.num_topk, me = s.rank;
+    const uint64_t seq = epx_op_seq(s);
+    /* The ready exchange failed on this rank (or an earlier operation did). */
+    if (epx_failed(s))
+        return;
+    /* Every peer's input location, acquired by the ready kernel before this one. */
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, r);
+        x_base[r] = epx_peer(s, r) + slot->ready_offset;
+        x_stride[r] = slot->ready_stride;
+        x_rows[r] = slot->ready_rows;
+    }
+    __syncthreads();
+
+    const int lane = epx_lane(), warp = epx_warp();
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const int64_t units = s.hidden * 2 / 16;
+    const int64_t first_warp = (int64_t)blockIdx.x * EPX_COMBINE_WARPS + warp;
+    const int64_t num_warps = (int64_t)gridDim.x * EPX_COMBINE_WARPS;
+
+    for (int64_t t = first_warp; t < a.num_tokens; t += num_warps) {
+        int n = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            int r = r0 + lane;
+            int32_t row = r < R ? a.send_row[t * R + r] : -1;
+            if (row >= 0 && row >= x_rows[r]) {
+                epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY, r, me,
+                                   row, x_rows[r], 1);
+                row = -1;
+            }
+            unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
+            if (row >= 0) {
+                int pos = n + __popc(ballot & lanes_below);
+                src_row[warp][pos] = x_base[r] + (int64_t)row * x_stride[r];
+                src_weights[warp][pos] = reinterpret_cast<const float *>(
+                                             epx_peer(s, r) + s.off_combine_weights) +
+                                         (int64_t)row * K;
+            }
+            n += __popc(ballot);
+        }
+        __syncwarp();
+
+        char *out = static_cast<char *>(a.out_x) + t * a.out_stride;
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
+            float acc[kUnroll][8];
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++)
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    acc[u][e] = 0.0f;
+            for (int j0 = 0; j0 < n; j0 += kGroup) {
+                int4 v[kGroup][kUnroll];
+#pragma unroll
+                for (int g = 0; g < kGroup; g++)
+#pragma unroll
+                    for (int u = 0; u < kUnroll; u++) {
+                        int64_t i = i0 + u * 32 + lane;
+                        if (j0 + g < n && i < units)
+                            v[g][u] = epx_ld_nc_v4(src_row[warp][j0 + g] + i * 16);
+                    }
+                /* Sources in rank order, one add each: the reference's summation order. */
+#pragma unroll
+                for (int g = 0; g < kGroup; g++) {
+                    if (j0 + g >= n)
+                        break;
+#pragma unroll
+                    for (int u = 0; u < kUnroll; u++) {
+                        const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            acc[u][2 * e] += epx_bf16_lo(w[e]);
+                            acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                int64_t i = i0 + u * 32 + lane;
+                if (i < units) {
+                    int4 packed;
+                    packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
+                    packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
+                    packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
+                    packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
+                    epx_st16(out + i * 16, packed, a.out_align);
+                }
+            }
+        }
+
+        if (a.has_weights) {
+            for (int k = lane; k < K; k += 32) {
+                float sum = 0.0f;
+                for (int j = 0; j < n; j++)
+                    sum += __ldcg(src_weights[warp][j] + k);
+                a.out_weights[t * a.out_weights_stride + k] = sum;
+            }
+        }
+        __syncwarp();
+    }
+
+    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
+        return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_st_release_sys(&epx_slot(s, r, me)->done_flag, seq);
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_wait_flag(s, &epx_slot(s, me, r)->done_flag, seq, EPX_CUDA_STAGE_COMBINE_DONE, r);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *reinterpret_cast<volatile uint64_t *>(&s.local->epoch) = seq;
+}
+
+extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
+                                                const epx__cuda_combine_args_t *args,
+                                                cudaStream_t stream)
+{
+    epx_combine_ready_kernel<<<1, 64, 0, stream>>>(*shape, *args);
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess)
+        return err;
+    epx_combine_kernel<2, 4><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
+    return cudaGetLastError();
+}

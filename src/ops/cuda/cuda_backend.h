@@ -1,0 +1,98 @@
+/*
+ * Host side of the CUDA backend (normal mode over CUDA IPC): the buffer's state, the
+ * handles' device state, and the helpers the operation files share.
+ *
+ * Files: backend.c (the vtable, buffers, layout, abort), dispatch.c, combine.c,
+ * errors.c (device error record -> status, host waits), pool.c (device memory of
+ * handles). Kernels: layout.cu, dispatch.cu, combine.cu, copy.cu via launch.h.
+ */
+#ifndef EPX_OPS_CUDA_BACKEND_H
+#define EPX_OPS_CUDA_BACKEND_H
+
+#include <cuda_runtime_api.h>
+
+#include "internal.h"
+#include "ops/cuda/launch.h"
+#include "transport/cuda/cuda_status.h"
+#include "transport/cuda/ipc.h"
+
+/* ---------------------------------------------------------------- handle memory */
+
+/*
+ * Fixed-size device slots for handles, reused across dispatches: cudaFree would stall
+ * the device at every handle destroy, and cudaMalloc is not allowed while a stream is
+ * being captured into a CUDA graph. Reference counted, so a handle may outlive its
+ * buffer's destroy without touching freed memory.
+ */
+typedef struct epx__cuda_pool epx__cuda_pool_t;
+
+epx_status_t epx__cuda_pool_create(int device, size_t slot_bytes, int preallocate,
+                                   epx__cuda_pool_t **pool);
+/* A free slot (allocating one when none is free); NULL with the error recorded. */
+void *epx__cuda_pool_get(epx__cuda_pool_t *pool);
+void epx__cuda_pool_put(epx__cuda_pool_t *pool, void *slot);
+void epx__cuda_pool_retain(epx__cuda_pool_t *pool);
+/* Drop a reference; the last one frees every slot. */
+void epx__cuda_pool_release(epx__cuda_pool_t *pool);
+
+/* A handle's device arrays (struct epx_handle.backend_state). */
+typedef struct {
+    epx__cuda_pool_t *pool;
+    void *slot;
+    int32_t *send_row;        /* [num_tokens][R]: row of each token at each rank, or -1 */
+    int32_t *recv_count;      /* rows received */
+    int32_t *recv_per_expert; /* [L], rounded up to the handle's alignment */
+} epx__cuda_handle_state_t;
+
+/* ---------------------------------------------------------------- buffers */
+
+typedef struct {
+    epx__cuda_ipc_t *ipc;
+    epx__cuda_shape_t shape;      /* what kernels see (device addresses) */
+    epx__cuda_local_t *local;     /* device */
+    epx__cuda_mapped_t *mapped;   /* host address of the mapped block */
+    int32_t *mapped_rank_counts;  /* host addresses of its arrays */
+    int32_t *mapped_recv_per_expert;
+    uint64_t next_ticket;
+    cudaStream_t abort_stream;    /* non-blocking: reaches peers while kernels spin */
+    uint64_t *abort_word;         /* pinned host staging for the abort word */
+    epx__cuda_pool_t *pool;
+    size_t handle_slot_bytes;
+    int num_sms;
+    /* The device error record, once turned into a status (reported once, then kept). */
+    int error_seen;
+    epx_status_t error_status;
+    int error_culprit;
+    char error_message[400];
+} epx__cuda_buffer_t;
+
+/* Byte layout of every rank's shared allocation for this config (fills `shape`). */
+epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
+                            epx__cuda_shape_t *shape, size_t *handle_slot_bytes);
+
+/* ---------------------------------------------------------------- errors and waits */
+
+/*
+ * The device error record as a status: EPX_SUCCESS when the device recorded nothing;
+ * otherwise the first failure (timeout naming the rank and stage, a peer's failure,
+ * bad input found on the device), also stored as the buffer's async error.
+ */
+epx_status_t epx__cuda_poll(epx_buffer_t buffer);
+/* The same without touching the thread's last error: 1 when a failure is recorded. */
+int epx__cuda_note_failure(epx_buffer_t buffer);
+/* Wait (host, with the group's timeout) until the count exchange stamped `ticket`. */
+epx_status_t epx__cuda_wait_ticket(epx_buffer_t buffer, uint64_t ticket, const char *op);
+/* The rank a device failure blames (for forwarding in abort), or -1. */
+int epx__cuda_failure_culprit(epx_buffer_t buffer);
+
+/* Largest power of two (at most 16) dividing both the address and the row pitch. */
+int epx__cuda_alignment(const void *data, int64_t pitch_bytes);
+/* Blocks for a data kernel: one warp per token, at most the buffer's SM budget. */
+int epx__cuda_blocks_for(const epx__cuda_buffer_t *cuda, int64_t tokens);
+
+epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                                epx_dispatch_result_t *result, void *stream);
+epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *args,
+                               void *stream);
+
+#endif /* EPX_OPS_CUDA_BACKEND_H */

@@ -1,0 +1,176 @@
+/*
+ * Memory access helpers shared by the CUDA kernels: vector loads and stores, memory
+ * ordering at system scope, the global timer, bf16 conversion. Every kernel file uses
+ * these instead of writing its own inline PTX.
+ *
+ * Scope: flags cross processes (CUDA IPC on one GPU under MPS, or NVLink peers), so
+ * acquire/release and fences are at system scope. Bulk data goes through L2 only
+ * (L1::no_allocate): a row written by a peer must never be served from a stale L1 line.
+ */
+#ifndef EPX_OPS_CUDA_DEVICE_CUH
+#define EPX_OPS_CUDA_DEVICE_CUH
+
+#include <stdint.h>
+
+/* ---------------------------------------------------------------- ordering */
+
+__device__ __forceinline__ uint64_t epx_ld_acquire_sys(const uint64_t *p)
+{
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void epx_st_release_sys(uint64_t *p, uint64_t v)
+{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/* A plain load that is never cached or merged by the compiler (polling). */
+__device__ __forceinline__ uint64_t epx_ld_volatile_u64(const uint64_t *p)
+{
+    uint64_t v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint64_t epx_globaltimer(void)
+{
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/* ---------------------------------------------------------------- 16-byte vectors */
+
+/* Read-only stream: no L1 allocation, 256-byte L2 prefetch (rows are long). */
+__device__ __forceinline__ int4 epx_ld_nc_v4(const void *p)
+{
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ void epx_st_v4(void *p, int4 v)
+{
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(p),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+/*
+ * 16 bytes at an address aligned to `align` (16, 8, 4, 2 or 1; uniform across the
+ * kernel, so the branch never diverges). User tensors may be views at odd offsets;
+ * the library's own rows are always 16-byte aligned. The narrow paths assemble the
+ * vector with shifts, never through its address, so it stays in registers.
+ */
+__device__ __forceinline__ uint32_t epx_ld_u32_bytes(const unsigned char *p, int align)
+{
+    if (align >= 2) {
+        const unsigned short *q = reinterpret_cast<const unsigned short *>(p);
+        return (uint32_t)__ldg(q) | ((uint32_t)__ldg(q + 1) << 16);
+    }
+    return (uint32_t)__ldg(p) | ((uint32_t)__ldg(p + 1) << 8) | ((uint32_t)__ldg(p + 2) << 16) |
+           ((uint32_t)__ldg(p + 3) << 24);
+}
+
+__device__ __forceinline__ int4 epx_ld16(const void *p, int align)
+{
+    if (align >= 16)
+        return epx_ld_nc_v4(p);
+    if (align >= 8) {
+        const uint2 *q = static_cast<const uint2 *>(p);
+        uint2 a = __ldg(q), b = __ldg(q + 1);
+        return make_int4((int)a.x, (int)a.y, (int)b.x, (int)b.y);
+    }
+    if (align >= 4) {
+        const unsigned int *q = static_cast<const unsigned int *>(p);
+        return make_int4((int)__ldg(q), (int)__ldg(q + 1), (int)__ldg(q + 2), (int)__ldg(q + 3));
+    }
+    const unsigned char *b = static_cast<const unsigned char *>(p);
+    return make_int4((int)epx_ld_u32_bytes(b, align), (int)epx_ld_u32_bytes(b + 4, align),
+                     (int)epx_ld_u32_bytes(b + 8, align), (int)epx_ld_u32_bytes(b + 12, align));
+}
+
+__device__ __forceinline__ void epx_st_u32_bytes(unsigned char *p, uint32_t v, int align)
+{
+    if (align >= 2) {
+        unsigned short *q = reinterpret_cast<unsigned short *>(p);
+        q[0] = (unsigned short)v;
+        q[1] = (unsigned short)(v >> 16);
+        return;
+    }
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+__device__ __forceinline__ void epx_st16(void *p, int4 v, int align)
+{
+    if (align >= 16) {
+        epx_st_v4(p, v);
+        return;
+    }
+    if (align >= 8) {
+        uint2 *q = static_cast<uint2 *>(p);
+        q[0] = make_uint2((unsigned)v.x, (unsigned)v.y);
+        q[1] = make_uint2((unsigned)v.z, (unsigned)v.w);
+        return;
+    }
+    if (align >= 4) {
+        unsigned int *q = static_cast<unsigned int *>(p);
+        q[0] = (unsigned)v.x;
+        q[1] = (unsigned)v.y;
+        q[2] = (unsigned)v.z;
+        q[3] = (unsigned)v.w;
+        return;
+    }
+    unsigned char *b = static_cast<unsigned char *>(p);
+    epx_st_u32_bytes(b, (uint32_t)v.x, align);
+    epx_st_u32_bytes(b + 4, (uint32_t)v.y, align);
+    epx_st_u32_bytes(b + 8, (uint32_t)v.z, align);
+    epx_st_u32_bytes(b + 12, (uint32_t)v.w, align);
+}
+
+/* ---------------------------------------------------------------- bf16 */
+
+__device__ __forceinline__ float epx_bf16_lo(uint32_t pair)
+{
+    return __uint_as_float(pair << 16);
+}
+
+__device__ __forceinline__ float epx_bf16_hi(uint32_t pair)
+{
+    return __uint_as_float(pair & 0xffff0000u);
+}
+
+/* Round to nearest even, NaN kept quiet: the same rule as the host oracle. */
+__device__ __forceinline__ uint32_t epx_float_to_bf16(float value)
+{
+    uint32_t word = __float_as_uint(value);
+    if ((word & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0u;
+    word += 0x7fffu + ((word >> 16) & 1u);
+    return word >> 16;
+}
+
+__device__ __forceinline__ uint32_t epx_pack_bf16(float lo, float hi)
+{
+    return epx_float_to_bf16(lo) | (epx_float_to_bf16(hi) << 16);
+}
+
+/* ---------------------------------------------------------------- warps */
+
+__device__ __forceinline__ int epx_lane(void)
+{
+    return (int)(threadIdx.x & 31);
+}
+
+__device__ __forceinline__ int epx_warp(void)
+{
+    return (int)(threadIdx.x >> 5);
+}
+
+#endif /* EPX_OPS_CUDA_DEVICE_CUH */

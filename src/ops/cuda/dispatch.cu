@@ -1,0 +1,152 @@
+/*
+ * Dispatch data kernel: every token row goes straight from the sender's x into each
+ * destination rank's receive region. One copy per byte, no staging.
+ *
+ * What moves: for each token and each rank hosting one of its experts, the x row (bf16,
+ * or fp8 + its fp32 scales), the top-k ids rewritten for that rank (local id or -1),
+ * the weights (0 where the id is -1). The row lands at
+ *     receiver row = (tokens of lower source ranks sent to the receiver) + ordinal,
+ * so rows arrive ordered by source rank then source token with no receiver-side work.
+ * The count exchange (layout.cu) computed both terms; in fresh mode this kernel adds
+ * them and leaves the final rows in the handle's send_row for combine and cached mode.
+ *
+ * Roles: every warp of every block is a sender: one token at a time (grid-stride), it
+ * loads a chunk of the row once (kUnroll 16-byte vectors per lane, all in flight) and
+ * stores it to each destination, so x is read once however many ranks receive it.
+ * Lanes 0..K-1 then write the top-k entries for each destination.
+ *
+ * Signals: the last block to finish (grid counter) stores the sequence number into
+ * every receiver's data flag (release, system scope) and waits until every source has
+ * done the same here, so work later on the stream sees all received rows. The other
+ * blocks exit at once, so at most one block per rank spins.
+ *
+ * Buffer use: rows [0, received) of the receive region, bounded by max_tokens_per_rank
+ * * world_size. A sender writes into a receiver only after the receiver's count flag
+ * for this operation arrived (stream order after the notify kernel), so the receiver
+ * has left its previous operation and no longer reads its old results.
+ */
+#include "signal.cuh"
+
+#define EPX_DISPATCH_WARPS (EPX_CUDA_THREADS / 32)
+
+template <int kUnroll>
+__global__ void __launch_bounds__(EPX_CUDA_THREADS)
+    epx_dispatch_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a)
+{
+    __shared__ char *peers[EPX_CUDA_MAX_RANKS];
+    __shared__ int32_t bases[EPX_CUDA_MAX_RANKS];
+    __shared__ int32_t dest_rank[EPX_DISPATCH_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int32_t dest_row[EPX_DISPATCH_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int last;
+
+    const int R = s.world_size, L = s.num_local_experts, K = s.num_topk, me = s.rank;
+    const uint64_t seq = epx_op_seq(s);
+    /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
+    if (epx_failed(s))
+        return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        peers[r] = epx_peer(s, r);
+        bases[r] = s.local->base[r];
+    }
+    __syncthreads();
+
+    const int lane = epx_lane(), warp = epx_warp();
+    const unsigned lanes_below = (1u << lane) - 1u;
+    const int64_t units = a.row_bytes / 16;
+    const int64_t first_warp = (int64_t)blockIdx.x * EPX_DISPATCH_WARPS + warp;
+    const int64_t num_warps = (int64_t)gridDim.x * EPX_DISPATCH_WARPS;
+
+    for (int64_t t = first_warp; t < a.num_tokens; t += num_warps) {
+        /* Destinations of token t, in rank order, compacted into this warp's list. */
+        int n = 0;
+        for (int r0 = 0; r0 < R; r0 += 32) {
+            int r = r0 + lane;
+            int32_t row = -1;
+            if (r < R) {
+                row = a.send_row[t * R + r];
+                if (a.fresh && row >= 0) {
+                    row += bases[r];
+                    a.send_row[t * R + r] = row;
+                }
+            }
+            unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
+            if (row >= 0) {
+                int pos = n + __popc(ballot & lanes_below);
+                dest_rank[warp][pos] = r;
+                dest_row[warp][pos] = row;
+            }
+            n += __popc(ballot);
+        }
+        __syncwarp();
+        if (n == 0)
+            continue;
+
+        const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
+            int4 v[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                int64_t i = i0 + u * 32 + lane;
+                if (i < units)
+                    v[u] = epx_ld16(src + i * 16, a.x_align);
+            }
+            for (int j = 0; j < n; j++) {
+                char *dst = peers[dest_rank[warp][j]] + s.off_x +
+                            (int64_t)dest_row[warp][j] * a.recv_pitch;
+#pragma unroll
+                for (int u = 0; u < kUnroll; u++) {
+                    int64_t i = i0 + u * 32 + lane;
+                    if (i < units)
+                        epx_st_v4(dst + i * 16, v[u]);
+                }
+            }
+        }
+
+        for (int i = lane; i < a.num_scales; i += 32) {
+            float scale = a.scales[t * a.scales_stride + i];
+            for (int j = 0; j < n; j++) {
+                float *dst = reinterpret_cast<float *>(peers[dest_rank[warp][j]] + s.off_scales);
+                dst[(int64_t)dest_row[warp][j] * a.num_scales + i] = scale;
+            }
+        }
+
+        if (a.topk_idx != NULL) {
+            for (int k = lane; k < K; k += 32) {
+                int64_t e = a.topk_idx[t * a.topk_stride + k];
+                float w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
+                /* Ids out of range were refused by the count exchange before this kernel. */
+                int home = e >= 0 ? (int)(e / L) : -1;
+                for (int j = 0; j < n; j++) {
+                    int r = dest_rank[warp][j];
+                    int64_t row = dest_row[warp][j];
+                    int here = home == r;
+                    int64_t *ids = reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx);
+                    ids[row * K + k] = here ? e - (int64_t)r * L : -1;
+                    if (a.topk_weights != NULL) {
+                        float *ws = reinterpret_cast<float *>(peers[r] + s.off_topk_weights);
+                        ws[row * K + k] = here ? w : 0.0f;
+                    }
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
+        return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_st_release_sys(&epx_slot(s, r, me)->data_flag, seq);
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_wait_flag(s, &epx_slot(s, me, r)->data_flag, seq, EPX_CUDA_STAGE_DISPATCH, r);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *reinterpret_cast<volatile uint64_t *>(&s.local->epoch) = seq;
+}
+
+extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
+                                                 const epx__cuda_dispatch_args_t *args,
+                                                 cudaStream_t stream)
+{
+    epx_dispatch_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
+    return cudaGetLastError();
+}

@@ -1,0 +1,253 @@
+/*
+ * The CUDA backend's kernels as seen from host C: the memory layout every rank shares,
+ * the argument structs of each kernel, and the extern "C" launchers (defined in the
+ * .cu files beside this header).
+ *
+ * Memory of one rank (the same layout on every rank, so an offset names the same place
+ * in every peer's allocation):
+ *   shared  one cudaMalloc, exported by CUDA IPC and mapped by every peer of the node:
+ *           a control area the peers write into (flags, count rows, abort word), then
+ *           the receive region (token rows, fp8 scales, top-k ids and weights) and the
+ *           combine weights. Peers write into it (dispatch) and read from it (combine).
+ *   local   device memory only this rank touches: the operation epoch, grid counters,
+ *           the device error flag, receive offsets, the peers' mapped base addresses.
+ *   mapped  host memory mapped into the device (cudaHostAllocMapped): what the host
+ *           waits on (the count exchange's results, stamped with a ticket) and the
+ *           device error record the host turns into a status.
+ *
+ * Synchronisation: every collective operation has a sequence number seq = epoch + 1
+ * (the epoch lives in device memory so that CUDA graph replays advance it too). A rank
+ * signals a peer by storing seq into its own slot of the peer's control area with a
+ * release store at system scope; the peer waits with acquire loads until the value is
+ * at least seq. Every wait reads %globaltimer against the group's timeout.
+ */
+#ifndef EPX_OPS_CUDA_LAUNCH_H
+#define EPX_OPS_CUDA_LAUNCH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Ranks one IPC domain may hold (a token's destinations are a 64-bit mask). */
+#define EPX_CUDA_MAX_RANKS 64
+/* Threads per block of the data kernels (16 warps: one token per warp at a time). */
+#define EPX_CUDA_THREADS 512
+/* Threads of the one-block count exchange kernel. */
+#define EPX_CUDA_NOTIFY_THREADS 1024
+/* Largest expert count the count kernels keep in shared memory. */
+#define EPX_CUDA_MAX_EXPERTS 8192
+
+/* Where a device-side wait or check was when it failed (named in host messages). */
+typedef enum {
+    EPX_CUDA_STAGE_NONE = 0,
+    EPX_CUDA_STAGE_LAYOUT = 1,        /* get_dispatch_layout */
+    EPX_CUDA_STAGE_NOTIFY = 2,        /* dispatch: count exchange */
+    EPX_CUDA_STAGE_DISPATCH = 3,      /* dispatch: waiting for data */
+    EPX_CUDA_STAGE_COMBINE_READY = 4, /* combine: waiting for peers' inputs */
+    EPX_CUDA_STAGE_COMBINE_DONE = 5,  /* combine: waiting for peers to finish reading */
+} epx__cuda_stage_t;
+
+/* What the device error record says happened. */
+typedef enum {
+    EPX_CUDA_FAIL_NONE = 0,
+    EPX_CUDA_FAIL_TIMEOUT = 1,    /* peer did not answer in time (peer = that rank) */
+    EPX_CUDA_FAIL_ABORT = 2,      /* a peer published a failure (peer = culprit rank) */
+    EPX_CUDA_FAIL_EXPERT_ID = 3,  /* this rank's topk_idx[index] = value is out of range */
+    EPX_CUDA_FAIL_PEER_INPUT = 4, /* peer reported bad input in the count exchange */
+    EPX_CUDA_FAIL_ROWS = 5,       /* combine: peer's x has `index` rows, row `value` needed */
+} epx__cuda_fail_t;
+
+/*
+ * Abort word in a rank's control area, written by a failing peer: code (8 bits: 1 =
+ * timeout, 2 = failure), stage (8 bits), reporter rank (24 bits), culprit rank + 1 (24
+ * bits, never 0 when set).
+ */
+#define EPX_CUDA_ABORT_PACK(code, stage, reporter, culprit)                                \
+    (((uint64_t)(code) << 56) | ((uint64_t)((stage) & 0xff) << 48) |                      \
+     ((uint64_t)((reporter) & 0xffffff) << 24) | (uint64_t)(((culprit) + 1) & 0xffffff))
+#define EPX_CUDA_ABORT_CODE(word) ((int)((word) >> 56))
+#define EPX_CUDA_ABORT_STAGE(word) ((int)(((word) >> 48) & 0xff))
+#define EPX_CUDA_ABORT_REPORTER(word) ((int)(((word) >> 24) & 0xffffff))
+#define EPX_CUDA_ABORT_CULPRIT(word) ((int)((word) & 0xffffff) - 1)
+
+/* One peer's slot in a rank's control area (written by that peer only). */
+typedef struct {
+    uint64_t count_flag[2]; /* count exchange done, per sequence parity */
+    uint64_t data_flag;     /* dispatch: every row of this peer has landed */
+    uint64_t ready_flag;    /* combine: the peer's input x is readable */
+    uint64_t done_flag;     /* combine: the peer finished reading this rank's x */
+    int64_t ready_offset;   /* combine: byte offset of the peer's x in its allocation */
+    int64_t ready_stride;   /* combine: bytes between the peer's x rows */
+    int64_t ready_rows;     /* combine: rows of the peer's x */
+    int32_t status[2];      /* count exchange: the peer's input status, per parity */
+    int32_t reserved[14];
+} epx__cuda_slot_t;
+
+/* Start of the control area. */
+typedef struct {
+    uint64_t abort_word; /* EPX_CUDA_ABORT_PACK, written by a failing peer */
+    uint64_t reserved[15];
+} epx__cuda_ctrl_t;
+
+/* Device state only this rank touches. */
+#define EPX_CUDA_GRID_COUNTERS 4
+typedef struct {
+    uint64_t epoch;                                 /* operations completed */
+    uint32_t grid_counter[EPX_CUDA_GRID_COUNTERS];  /* last-block election, per kernel */
+    int32_t failed;                                 /* nonzero: an error was recorded */
+    int32_t reserved;
+    int32_t base[EPX_CUDA_MAX_RANKS]; /* this rank's first row at each receiver */
+    char *peers[EPX_CUDA_MAX_RANKS];  /* every rank's shared allocation, mapped here */
+} epx__cuda_local_t;
+
+enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
+
+/* Host memory mapped into the device. */
+typedef struct {
+    volatile uint64_t ticket; /* ticket of the last count exchange whose results are here */
+    int64_t num_recv;         /* rows this rank receives */
+    volatile int32_t error_code; /* epx__cuda_fail_t, written last */
+    int32_t error_stage;
+    int32_t error_peer;
+    int32_t error_reporter;
+    int64_t error_value;
+    int64_t error_index;
+    /* followed by int32 rank_counts[R * R] and int32 recv_per_expert[L] */
+} epx__cuda_mapped_t;
+
+/* Everything a kernel needs to find memory; identical on every rank but `rank`. */
+typedef struct {
+    int rank;
+    int world_size;
+    int num_experts;
+    int num_local_experts;
+    int num_topk;
+    int reserved;
+    int64_t hidden;
+    int64_t max_recv;          /* rows of the receive region */
+    int64_t timeout_ns;        /* every device wait gives up after this long */
+    /* byte offsets inside every rank's shared allocation */
+    int64_t off_slots;         /* [R] epx__cuda_slot_t */
+    int64_t off_rank_counts;   /* [2][R][R] int32: row s written by rank s */
+    int64_t off_expert_counts; /* [2][R][L] int32: row s written by rank s */
+    int64_t off_x;             /* [max_recv] rows of x_pitch_max bytes */
+    int64_t x_pitch_max;       /* bytes per receive row: hidden * 2 (bf16) */
+    int64_t off_scales;        /* [max_recv][hidden / 128] fp32, -1 if hidden % 128 */
+    int64_t off_topk_idx;      /* [max_recv][K] int64 */
+    int64_t off_topk_weights;  /* [max_recv][K] fp32 */
+    int64_t off_combine_weights; /* [max_recv][K] fp32: combine's topk_weights input */
+    int64_t shared_bytes;
+    epx__cuda_local_t *local;
+    epx__cuda_mapped_t *mapped;      /* device address of the mapped block */
+    int32_t *mapped_rank_counts;     /* [R * R] */
+    int32_t *mapped_recv_per_expert; /* [L] */
+} epx__cuda_shape_t;
+
+/* ---------------------------------------------------------------- layout */
+
+typedef struct {
+    const int64_t *topk_idx;
+    int64_t topk_stride; /* elements between rows */
+    int64_t num_tokens;
+    int32_t *num_tokens_per_rank;   /* [R], zeroed before the kernel */
+    int32_t *num_tokens_per_expert; /* [E], zeroed before the kernel */
+    uint8_t *is_token_in_rank;      /* [T][R] or NULL */
+    int64_t in_rank_stride;
+} epx__cuda_layout_args_t;
+
+cudaError_t epx__cuda_launch_layout(const epx__cuda_shape_t *shape,
+                                    const epx__cuda_layout_args_t *args, int num_sms,
+                                    cudaStream_t stream);
+
+/* ---------------------------------------------------------------- count exchange */
+
+typedef struct {
+    const int64_t *topk_idx; /* NULL in cached mode: only the entry signal is exchanged */
+    int64_t topk_stride;
+    int64_t num_tokens;
+    int32_t *send_row;        /* [T][R]: out, each token's ordinal at each rank or -1 */
+    int32_t *recv_count;      /* handle: rows received (written in fresh mode) */
+    int32_t *recv_per_expert; /* handle: [L], rounded up to the alignment */
+    int expert_alignment;     /* 1 = none */
+    int reserved;
+    uint64_t ticket;          /* nonzero: publish results to mapped memory, then ticket */
+} epx__cuda_notify_args_t;
+
+cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
+                                    const epx__cuda_notify_args_t *args, cudaStream_t stream);
+
+/* ---------------------------------------------------------------- dispatch */
+
+typedef struct {
+    const void *x;
+    int64_t x_stride;  /* bytes between rows */
+    int64_t row_bytes; /* hidden * element size, a multiple of 16 */
+    int64_t recv_pitch; /* bytes between rows in the receive region */
+    int x_align;       /* largest of 16, 8, 4, 2, 1 dividing x and x_stride */
+    int num_scales;    /* hidden / 128 when fp8, else 0 */
+    const float *scales;
+    int64_t scales_stride; /* elements */
+    const int64_t *topk_idx; /* NULL: no top-k outputs */
+    int64_t topk_stride;
+    const float *topk_weights; /* NULL: no weights output */
+    int64_t weights_stride;
+    int64_t num_tokens;
+    int32_t *send_row; /* [T][R]; fresh: ordinals, turned into rows in place */
+    int fresh;
+    int num_blocks;
+} epx__cuda_dispatch_args_t;
+
+cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
+                                      const epx__cuda_dispatch_args_t *args,
+                                      cudaStream_t stream);
+
+/* ---------------------------------------------------------------- combine */
+
+typedef struct {
+    const int32_t *send_row; /* [T][R] rows at each rank, -1 = not sent */
+    int64_t num_tokens;
+    void *out_x;
+    int64_t out_stride;   /* bytes */
+    int out_align;        /* alignment of out_x rows (16 = vector stores) */
+    int has_weights;
+    float *out_weights;
+    int64_t out_weights_stride; /* elements */
+    int64_t x_offset;     /* this rank's x: byte offset in its shared allocation */
+    int64_t x_stride;     /* bytes, a multiple of 16 */
+    int64_t x_rows;
+    int num_blocks;
+    int reserved;
+} epx__cuda_combine_args_t;
+
+cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
+                                     const epx__cuda_combine_args_t *args, cudaStream_t stream);
+
+/* ---------------------------------------------------------------- local copies */
+
+/*
+ * Copy rows [0, n) of `row_bytes` each, n = rows, or min(rows, *rows_device) when
+ * rows_device is given (a count only the device knows).
+ */
+typedef struct {
+    const void *src;
+    int64_t src_pitch;
+    void *dst;
+    int64_t dst_pitch;
+    int64_t row_bytes;
+    int64_t rows;
+    const int32_t *rows_device;
+} epx__cuda_copy_args_t;
+
+cudaError_t epx__cuda_launch_copy(const epx__cuda_copy_args_t *args, int num_sms,
+                                  cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_OPS_CUDA_LAUNCH_H */

@@ -1,0 +1,116 @@
+/*
+ * The CUDA backend's host-side pieces that need no GPU: the memory plan every rank
+ * shares (regions aligned, in order, not overlapping, large enough), the configs it
+ * refuses, and device discovery that never fails without a driver.
+ */
+#include <stdio.h>
+
+#include "test_util.h"
+
+#ifdef EPX_WITH_CUDA
+#include "ops/cuda/cuda_backend.h"
+
+static struct epx_group make_group(int rank, int world, int per_node)
+{
+    struct epx_group g;
+    memset(&g, 0, sizeof(g));
+    g.rank = rank;
+    g.world_size = world;
+    g.ranks_per_node = per_node;
+    g.backend = EPX_BACKEND_CUDA;
+    g.device = 0;
+    g.timeout_ms = 1000;
+    return g;
+}
+
+static epx_buffer_config_t make_config(int64_t tokens, int64_t hidden, int experts, int topk)
+{
+    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+    c.max_tokens_per_rank = tokens;
+    c.hidden = hidden;
+    c.num_experts = experts;
+    c.num_topk = topk;
+    return c;
+}
+
+/* Every region starts aligned, after the previous one ends, inside the allocation. */
+static void check_plan(int world, int64_t tokens, int64_t hidden, int experts, int topk)
+{
+    struct epx_group g = make_group(world - 1, world, world);
+    epx_buffer_config_t c = make_config(tokens, hidden, experts, topk);
+    epx__cuda_shape_t s;
+    size_t slot = 0;
+    CHECK_OK(epx__cuda_plan(&g, &c, &s, &slot));
+    int64_t rows = tokens * world, L = experts / world;
+    CHECK_EQ_INT(s.max_recv, rows);
+    CHECK_EQ_INT(s.num_local_experts, L);
+    CHECK_EQ_INT(s.rank, world - 1);
+    CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
+    struct {
+        int64_t offset, bytes;
+    } regions[] = {
+        {0, (int64_t)sizeof(epx__cuda_ctrl_t)},
+        {s.off_slots, world * (int64_t)sizeof(epx__cuda_slot_t)},
+        {s.off_rank_counts, 2ll * world * world * 4},
+        {s.off_expert_counts, 2ll * world * L * 4},
+        {s.off_x, rows * hidden * 2},
+        {s.off_scales, hidden % 128 == 0 ? rows * (hidden / 128) * 4 : 0},
+        {s.off_topk_idx, rows * topk * 8},
+        {s.off_topk_weights, rows * topk * 4},
+        {s.off_combine_weights, rows * topk * 4},
+    };
+    int64_t end = 0;
+    for (size_t i = 0; i < sizeof(regions) / sizeof(regions[0]); i++) {
+        if (regions[i].bytes == 0) {
+            CHECK_EQ_INT(regions[i].offset, -1);
+            continue;
+        }
+        CHECK(regions[i].offset >= end);
+        if (i >= 2)
+            CHECK_EQ_INT(regions[i].offset % 256, 0);
+        end = regions[i].offset + regions[i].bytes;
+    }
+    CHECK(s.shared_bytes >= end);
+    CHECK_EQ_INT(s.x_pitch_max, hidden * 2);
+    /* A handle slot holds send_row [tokens][world], the count and [L] per-expert counts. */
+    CHECK(slot >= (size_t)(tokens * world * 4 + 4 + L * 4));
+}
+
+static void check_refusals(void)
+{
+    epx__cuda_shape_t s;
+    size_t slot = 0;
+    epx_buffer_config_t c = make_config(64, 256, 128, 4);
+    struct epx_group split = make_group(0, 8, 4);
+    CHECK_STATUS(epx__cuda_plan(&split, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("ranks_per_node");
+    struct epx_group huge = make_group(0, EPX_CUDA_MAX_RANKS * 2, EPX_CUDA_MAX_RANKS * 2);
+    c.num_experts = EPX_CUDA_MAX_RANKS * 2;
+    CHECK_STATUS(epx__cuda_plan(&huge, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("ranks");
+    struct epx_group ok = make_group(0, 2, 2);
+    c = make_config(64, 256, EPX_CUDA_MAX_EXPERTS + 2, 4);
+    CHECK_STATUS(epx__cuda_plan(&ok, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("experts");
+}
+
+int main(void)
+{
+    /* Without a driver or GPU this is 0, never a failure or a crash. */
+    int devices = epx__cuda_device_count();
+    CHECK(devices >= 0);
+    check_plan(8, 4096, 7168, 256, 8);
+    check_plan(1, 1, 8, 1, 1);
+    check_plan(3, 100, 136, 9, 2); /* hidden not a multiple of 128: no scales region */
+    check_plan(EPX_CUDA_MAX_RANKS, 17, 384, EPX_CUDA_MAX_RANKS * 2, 3);
+    check_refusals();
+    printf("test_cuda_plan: ok (%d CUDA device%s visible)\n", devices, devices == 1 ? "" : "s");
+    return 0;
+}
+#else
+int main(void)
+{
+    printf("test_cuda_plan: skipped (built without the CUDA backend)\n");
+    return 0;
+}
+#endif
