@@ -306,6 +306,17 @@ typedef struct {
      EPX_TENSOR_NONE}
 
 /*
+ * Zero-copy combine input. Fills `x` with a bf16 [rows, hidden] view of memory inside the
+ * buffer, rows = the handle's num_recv_tokens (max_tokens_per_rank * world_size when the
+ * host does not know the count: worst-case mode on the CUDA backend). Write the expert
+ * outputs for `handle` there (row i = received row i) and pass this view as combine's x:
+ * the peers then read it where it is, with no copy into the buffer first, which is
+ * combine's fast path. The memory is this rank's until its next epx_combine returns, and
+ * may be written again after the next dispatch on the buffer. Local: not collective.
+ */
+epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *x);
+
+/*
  * Collective. out_x[t] = sum over the ranks r that received token t of x_r[row of t]
  * (fp32 accumulation, bf16 out); tokens sent nowhere get zeros.
  */

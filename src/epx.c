@@ -250,3 +250,30 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
         return fail_operation(buffer, status);
     return EPX_SUCCESS;
 }
+
+epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *x)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: buffer is NULL");
+    if (handle == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle is NULL");
+    if (x == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: x is NULL");
+    if (handle->buffer != buffer)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle was made by another buffer");
+    EPX_CHECK(check_usable(buffer, "get_combine_input"));
+    if (buffer->ops->combine_input == NULL)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED, "get_combine_input: not supported by the %s backend",
+                         buffer->ops->name);
+    void *base = NULL;
+    int64_t rows = 0;
+    EPX_CHECK(buffer->ops->combine_input(buffer, &base, &rows));
+    int64_t num_rows = handle->num_recv_tokens >= 0 ? handle->num_recv_tokens : rows;
+    if (num_rows > rows)
+        return EPX_ERROR(EPX_ERR_INTERNAL,
+                         "get_combine_input: the handle has %lld rows, the region %lld",
+                         (long long)num_rows, (long long)rows);
+    *x = epx_tensor_2d(base, EPX_DTYPE_BF16, num_rows, buffer->config.hidden);
+    return EPX_SUCCESS;
+}

@@ -86,6 +86,12 @@ struct epx__backend_ops {
     epx_status_t (*combine)(epx_buffer_t buffer, const epx_combine_args_t *args,
                             void *stream);
     /*
+     * The combine-input region of this rank (see epx_get_combine_input): its base, with
+     * room for `*rows` bf16 rows of `hidden` (max_tokens_per_rank * world_size). Combine
+     * must read an x that starts at this base in place.
+     */
+    epx_status_t (*combine_input)(epx_buffer_t buffer, void **base, int64_t *rows);
+    /*
      * Optional (NULL = nothing to poll): record in buffer->async_error a failure the
      * backend learned asynchronously, such as a device-side timeout inside a kernel
      * replayed from a CUDA graph. epx_get_async_error calls it before answering.
