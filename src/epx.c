@@ -48,6 +48,9 @@ static epx_status_t fail_operation(epx_buffer_t buffer, epx_status_t status)
 /* Refuse to run an operation on a buffer that already failed. */
 static epx_status_t check_usable(epx_buffer_t buffer, const char *op)
 {
+    /* A failure seen only by the device (a peer's abort during an enqueued kernel) counts. */
+    if (buffer->ops->poll_async_error != NULL)
+        buffer->ops->poll_async_error(buffer);
     int error = atomic_load(&buffer->async_error);
     if (error == EPX_SUCCESS)
         return EPX_SUCCESS;
