@@ -191,9 +191,12 @@ typedef struct {
     int num_topk;                 /* experts per token, 1..num_experts */
     epx_dtype_t dispatch_dtype;   /* BF16 (default) or FP8_E4M3 (+ fp32 scales) */
     int num_sms;                  /* SMs per rank for GPU kernels; 0 = EPX_NUM_SMS */
+    /* Low-latency mode (epx_ll_*): most tokens any rank passes to one low-latency call,
+     * 0..65536. 0 (default) = low-latency mode off and no memory reserved for it. */
+    int64_t max_low_latency_tokens;
 } epx_buffer_config_t;
 
-#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0}
+#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0}
 
 /* Bytes of communication memory one rank allocates for this config (no allocation). */
 epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
@@ -333,6 +336,177 @@ typedef struct {
 
 epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info);
 epx_status_t epx_handle_destroy(epx_handle_t handle);
+
+/* ================================================================ low-latency mode
+ *
+ * Decode-time dispatch and combine (DESIGN.md section 2, docs/LOW_LATENCY.md), shaped
+ * after DeepEP's low_latency_dispatch / low_latency_combine. Needs a buffer created
+ * with config.max_low_latency_tokens > 0 (M below); R = world size, L = num_experts / R
+ * local experts, k = num_topk. No host synchronisation on the GPU backend, so the
+ * calls can be captured in a CUDA graph.
+ *
+ * Steps and slots. A dispatch and the combines that use its handle form a step. The
+ * buffer has two slots, and consecutive dispatches alternate between them, so step
+ * n's combine may run after step n+1's dispatch (overlap). A dispatch reuses the slot
+ * of the dispatch two before it, which invalidates that step's handle and views.
+ *
+ * Send/receive split. With EPX_LL_SEND_ONLY a dispatch or combine only issues its
+ * sends and returns; epx_ll_receive(handle) later waits for the data and finishes the
+ * operation (result tensors are valid only after it), so compute runs in between and
+ * nothing spins meanwhile. At most two operations may be sent and not yet received
+ * (one per slot).
+ *
+ * Misuse is refused with EPX_ERR_INVALID_STATE and has no effect: a dispatch whose slot
+ * still has an operation waiting for its receive (a third operation in flight), a
+ * receive on a handle with nothing pending, a combine before its dispatch was received
+ * or while a combine of the same step is pending, and any use of a handle whose slot a
+ * later dispatch reused. Argument errors (EPX_ERR_INVALID_ARG / EPX_ERR_CAPACITY) are
+ * found before anything is sent and have no effect either; unlike normal mode they do
+ * not poison the buffer (the peers' call then ends in a timeout naming this rank).
+ *
+ * Failed peers. A low-latency wait that a peer does not answer within the group's
+ * timeout, or whose process exited or published a failure, returns EPX_ERR_TIMEOUT or
+ * EPX_ERR_REMOTE naming the rank and stage, masks that rank on this rank (as
+ * epx_ll_mask_rank), abandons the step (its handle becomes invalid) and leaves the buffer
+ * usable. A masked rank is left out of later calls: nothing is sent to it or awaited
+ * from it, its rows are absent from dispatch results, and its experts' rows come back
+ * to combine as zeros; the entries so affected are counted in the results.
+ */
+
+/* Flags of epx_ll_dispatch and epx_ll_combine. */
+#define EPX_LL_SEND_ONLY 0x1u /* issue the sends only; epx_ll_receive completes the op */
+
+/*
+ * The identity of one low-latency step: a value (copy it freely, nothing to destroy).
+ * It names a slot and the dispatch that filled it, so a stale handle is detected and
+ * refused, never dereferenced. All zeros (EPX_LL_HANDLE_NONE) is never valid.
+ */
+typedef struct {
+    uint64_t internal[4];
+} epx_ll_handle_t;
+
+#define EPX_LL_HANDLE_NONE {{0, 0, 0, 0}}
+
+typedef struct {
+    size_t size;
+    epx_tensor_t x;        /* [tokens, hidden] bf16, tokens <= M (0 allowed) */
+    epx_tensor_t topk_idx; /* [tokens, k] int64 global expert ids, -1 = skipped */
+    /* Cast to fp8 e4m3 during dispatch, with one scale per 128 channels of a token:
+     * scale = max(amax, 1e-4) / 448 (fp32), value = e4m3_rn_satfinite(x * (448 / amax')).
+     * hidden must be a multiple of 128. */
+    int use_fp8;
+    /* fp8: round each scale up to a power of two, scale = 2^ceil(log2(amax' / 448)),
+     * value = e4m3(x * 2^-e). */
+    int round_scale;
+    /* fp8 + round_scale: return the scales as UE8M0 exponent bytes (e + 127), four per
+     * int32 (channel group g in byte g % 4 of word g / 4). hidden % 512 == 0. */
+    int use_ue8m0;
+    uint32_t flags; /* EPX_LL_SEND_ONLY */
+} epx_ll_dispatch_args_t;
+
+#define EPX_LL_DISPATCH_ARGS_INIT \
+    {sizeof(epx_ll_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, 0, 0, 0u}
+
+/*
+ * Dispatch results: views into the buffer's slot, valid until the slot is reused (two
+ * dispatches later). With EPX_LL_SEND_ONLY their contents are valid after epx_ll_receive.
+ * Within each local expert, rows are ordered by source rank, then source token index
+ * (deterministic; the GPU backend keeps this order, see docs/LOW_LATENCY.md). A token
+ * that names the same expert twice sends one row for it.
+ */
+typedef struct {
+    size_t size;
+    /* [L, M * R, hidden] bf16, or fp8 e4m3 with use_fp8; rows >= recv_count[e] unused. */
+    epx_tensor_t recv_x;
+    /* fp8 only: [L, M * R, hidden / 128] fp32, or [L, M * R, hidden / 512] int32 (ue8m0). */
+    epx_tensor_t recv_x_scales;
+    /* [L] int32: valid rows per local expert. */
+    epx_tensor_t recv_count;
+    /* [L, M * R] int32: source token index (on its source rank) of each row. */
+    epx_tensor_t recv_src_info;
+    /* [L, R] int64: rows of local expert e from source rank s are rows begin..begin+count-1,
+     * packed as (begin << 32) | count (DeepEP's layout_range). */
+    epx_tensor_t recv_layout_range;
+    /* (token, expert) entries of this rank's input not sent because the expert's rank is
+     * masked (their combine rows come back as zeros); -1 where the backend cannot count
+     * without a host sync (GPU: see epx_ll_get_masked). */
+    int64_t num_masked_entries;
+    epx_ll_handle_t handle;
+} epx_ll_dispatch_result_t;
+
+#define EPX_LL_DISPATCH_RESULT_INIT                                                        \
+    {sizeof(epx_ll_dispatch_result_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
+     EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, EPX_LL_HANDLE_NONE}
+
+/* Collective: every rank that is not masked calls it. */
+epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                             epx_ll_dispatch_result_t *result, void *stream);
+
+/*
+ * Finish the operation that `handle`'s step sent with EPX_LL_SEND_ONLY (a dispatch, or
+ * a combine): wait for the peers' data and write the results. DeepEP's receive hook.
+ */
+epx_status_t epx_ll_receive(epx_buffer_t buffer, epx_ll_handle_t handle, void *stream);
+
+typedef struct {
+    size_t size;
+    epx_ll_handle_t handle;    /* from the dispatch of this step (received) */
+    /* [L, M * R, hidden] bf16 expert outputs, row i of expert e = recv row i; contiguous.
+     * May be the zero-copy view of epx_ll_get_combine_buffer. */
+    epx_tensor_t x;
+    epx_tensor_t topk_idx;     /* [tokens, k] int64, as given to this step's dispatch */
+    epx_tensor_t topk_weights; /* [tokens, k] fp32 */
+    epx_tensor_t out;          /* [tokens, hidden] bf16, written (by the receive) */
+    uint32_t flags;            /* EPX_LL_SEND_ONLY */
+} epx_ll_combine_args_t;
+
+#define EPX_LL_COMBINE_ARGS_INIT                                                           \
+    {sizeof(epx_ll_combine_args_t), EPX_LL_HANDLE_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
+     EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0u}
+
+typedef struct {
+    size_t size;
+    /* Top-k entries whose expert's rank is masked, so they added zero; -1
+     * where the backend cannot count without a host sync. Final after the receive. */
+    int64_t num_masked_entries;
+} epx_ll_combine_result_t;
+
+#define EPX_LL_COMBINE_RESULT_INIT {sizeof(epx_ll_combine_result_t), 0}
+
+/*
+ * Collective. out[t] = bf16(sum over j with topk_idx[t][j] >= 0 of
+ * topk_weights[t][j] * x_expert[row of (t, expert)]), fp32 products and sums in j order;
+ * a token with no expert (or only masked ones) gets zeros. `result` may be NULL. May be
+ * called again with the same handle (e.g. benchmarks); each call is collective.
+ */
+epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
+                            epx_ll_combine_result_t *result, void *stream);
+
+/*
+ * Zero-copy combine input: `x` receives a contiguous bf16 [L, M * R, hidden] view of the
+ * slot memory that combine sends from. Write the expert outputs there and pass the view
+ * as combine's x. Valid while the handle is. Local. (DeepEP's
+ * get_next_low_latency_combine_buffer.)
+ */
+epx_status_t epx_ll_get_combine_buffer(epx_buffer_t buffer, epx_ll_handle_t handle,
+                                       epx_tensor_t *x);
+
+/*
+ * Local: leave `rank` out of this rank's later low-latency calls (a failed peer). Every
+ * surviving rank must mask the same ranks before the same call (a wait that fails on a
+ * peer masks it by itself). A rank cannot mask itself. Masks are not undone.
+ */
+epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int rank);
+
+/* Local: mask[r] = 1 if rank r is masked on this rank, else 0; `count` >= world size. */
+epx_status_t epx_ll_get_masked(epx_buffer_t buffer, int32_t *mask, int count);
+
+/*
+ * Local: forget both slots (every handle becomes invalid). EPX_ERR_INVALID_STATE while
+ * an operation is sent and not received. Unlike DeepEP's clean_low_latency_buffer no
+ * memory needs zeroing: arrival flags carry sequence numbers.
+ */
+epx_status_t epx_ll_clean_buffer(epx_buffer_t buffer, void *stream);
 
 #ifdef __cplusplus
 }

@@ -71,7 +71,9 @@ epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *confi
         return EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_size: backend %s is not built",
                          epx_backend_name(group->backend));
     size_t bytes = 0;
-    EPX_CHECK(ops->buffer_size(group, config, &bytes));
+    epx_buffer_config_t full;
+    epx__buffer_config_read(config, &full);
+    EPX_CHECK(ops->buffer_size(group, &full, &bytes));
     *bytes_per_rank = bytes;
     return EPX_SUCCESS;
 }
@@ -84,6 +86,7 @@ typedef struct {
     int32_t dispatch_dtype;
     int64_t max_tokens_per_rank;
     int64_t hidden;
+    int64_t max_low_latency_tokens;
 } buffer_vote_t;
 
 /*
@@ -102,6 +105,7 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
         mine.dispatch_dtype = (int32_t)config->dispatch_dtype;
         mine.max_tokens_per_rank = config->max_tokens_per_rank;
         mine.hidden = config->hidden;
+        mine.max_low_latency_tokens = config->max_low_latency_tokens;
     }
     char local_message[512];
     snprintf(local_message, sizeof(local_message), "%s", epx_last_error());
@@ -124,7 +128,8 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
                                r, epx_status_string((epx_status_t)v->status));
         else if (v->num_experts != mine.num_experts || v->num_topk != mine.num_topk ||
                  v->dispatch_dtype != mine.dispatch_dtype ||
-                 v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden)
+                 v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden ||
+                 v->max_low_latency_tokens != mine.max_low_latency_tokens)
             status = EPX_ERROR(EPX_ERR_INVALID_ARG,
                                "buffer_create: rank %d's config differs from rank %d's (every "
                                "rank must pass the same shape)",
@@ -147,6 +152,11 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     if (status == EPX_SUCCESS && ops == NULL)
         status = EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_create: backend %s is not built",
                            epx_backend_name(group->backend));
+    epx_buffer_config_t full;
+    if (status == EPX_SUCCESS) {
+        epx__buffer_config_read(config, &full);
+        config = &full;
+    }
     EPX_CHECK(agree_on_config(group, config, status));
 
     struct epx_buffer *buffer = calloc(1, sizeof(*buffer));
@@ -159,6 +169,7 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     buffer->num_local_experts = config->num_experts / group->world_size;
     buffer->ops = ops;
     atomic_init(&buffer->async_error, EPX_SUCCESS);
+    buffer->ll.tag = (uint64_t)(uintptr_t)buffer;
     status = ops->buffer_create(buffer);
     if (status != EPX_SUCCESS) {
         free(buffer);

@@ -26,6 +26,31 @@ struct epx_group {
 
 typedef struct epx__backend_ops epx__backend_ops_t;
 
+/*
+ * Low-latency steps (src/epx_ll.c keeps this; backends see only slot numbers). A slot
+ * is free, has a sent operation waiting for its receive, or holds a received dispatch
+ * (possibly combined) whose views and handle stay valid until the slot is reused.
+ */
+typedef enum {
+    EPX__LL_FREE = 0,
+    EPX__LL_DISPATCH_SENT = 1,
+    EPX__LL_DISPATCHED = 2,
+    EPX__LL_COMBINE_SENT = 3,
+    EPX__LL_COMBINED = 4,
+} epx__ll_slot_state_t;
+
+typedef struct {
+    epx__ll_slot_state_t state;
+    uint64_t generation; /* dispatches made into this slot (handles carry it) */
+    int64_t num_tokens;  /* the dispatch's input tokens (combine checks its shapes) */
+} epx__ll_slot_t;
+
+typedef struct {
+    epx__ll_slot_t slots[2];
+    int next_slot;       /* slot of the next dispatch */
+    uint64_t tag;        /* identifies this buffer in its handles */
+} epx__ll_state_t;
+
 struct epx_buffer {
     epx_group_t group;
     epx_buffer_config_t config; /* num_sms resolved, never 0 */
@@ -35,6 +60,7 @@ struct epx_buffer {
     /* First failure of a collective operation; later calls return it. */
     _Atomic int async_error;
     char async_message[512];
+    epx__ll_state_t ll; /* low-latency mode (config.max_low_latency_tokens > 0) */
 };
 
 /*
@@ -97,6 +123,30 @@ struct epx__backend_ops {
      * replayed from a CUDA graph. epx_get_async_error calls it before answering.
      */
     void (*poll_async_error)(epx_buffer_t buffer);
+
+    /*
+     * Low-latency mode (include/epx.h, docs/LOW_LATENCY.md). Optional: NULL makes the
+     * epx_ll_* calls return EPX_ERR_UNSUPPORTED. src/epx_ll.c validates the arguments
+     * and keeps the slot states; the backend moves the data of slot `slot`.
+     * ll_dispatch issues the sends and fills `result`'s views (not the handle);
+     * ll_dispatch_receive waits for the data and writes them. ll_combine issues the
+     * sends and keeps what its receive needs; ll_combine_receive writes args->out and
+     * the masked count. A wait that fails on a peer returns EPX_ERR_TIMEOUT or
+     * EPX_ERR_REMOTE and masks the peer; the backend must then still be ready for the
+     * next call (the entry point abandons the step).
+     */
+    epx_status_t (*ll_dispatch)(epx_buffer_t buffer, int slot, const epx_ll_dispatch_args_t *args,
+                                epx_ll_dispatch_result_t *result, void *stream);
+    epx_status_t (*ll_dispatch_receive)(epx_buffer_t buffer, int slot, void *stream);
+    epx_status_t (*ll_combine)(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
+                               void *stream);
+    epx_status_t (*ll_combine_receive)(epx_buffer_t buffer, int slot,
+                                       epx_ll_combine_result_t *result, void *stream);
+    /* The zero-copy combine input of `slot`: bf16 [L, M * R, hidden], contiguous. */
+    epx_status_t (*ll_combine_buffer)(epx_buffer_t buffer, int slot, void **base);
+    /* Mask `rank` (already checked: a peer, in range); read the mask ([world] 0/1). */
+    epx_status_t (*ll_mask_rank)(epx_buffer_t buffer, int rank);
+    void (*ll_get_masked)(epx_buffer_t buffer, int32_t *mask);
 };
 
 extern const epx__backend_ops_t epx__host_backend;

@@ -1,6 +1,9 @@
 /*
  * Argument checks of the entry points (see validate.h).
  */
+#include <stddef.h>
+#include <string.h>
+
 #include "validate.h"
 
 /* Largest hidden size accepted; keeps row byte counts far from overflow. */
@@ -17,7 +20,9 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: group is NULL");
     if (config == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: config is NULL");
-    if (config->size != sizeof(epx_buffer_config_t))
+    /* The config before max_low_latency_tokens was appended is still accepted. */
+    if (config->size != sizeof(epx_buffer_config_t) &&
+        config->size != offsetof(epx_buffer_config_t, max_low_latency_tokens))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.size is %zu, expected %zu (initialise with "
                          "EPX_BUFFER_CONFIG_INIT)",
@@ -54,7 +59,19 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
     if (config->num_sms < 0 || config->num_sms > 1024)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: config.num_sms is %d, expected 0..1024",
                          config->num_sms);
+    if (config->size == sizeof(epx_buffer_config_t) &&
+        (config->max_low_latency_tokens < 0 || config->max_low_latency_tokens > 65536))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer: config.max_low_latency_tokens is %lld, expected 0 (off)..65536",
+                         (long long)config->max_low_latency_tokens);
     return EPX_SUCCESS;
+}
+
+void epx__buffer_config_read(const epx_buffer_config_t *config, epx_buffer_config_t *full)
+{
+    memset(full, 0, sizeof(*full));
+    memcpy(full, config, config->size < sizeof(*full) ? config->size : sizeof(*full));
+    full->size = sizeof(*full);
 }
 
 epx_status_t epx__validate_topk_values(const char *op, const epx_tensor_t *topk_idx,

@@ -9,6 +9,8 @@
 #include "internal.h"
 
 epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_config_t *config);
+/* A validated config (either accepted size) as the current struct, new fields 0. */
+void epx__buffer_config_read(const epx_buffer_config_t *config, epx_buffer_config_t *full);
 epx_status_t epx__validate_layout(epx_buffer_t buffer, const epx_layout_args_t *args);
 epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                                     const epx_dispatch_result_t *result);
@@ -20,5 +22,13 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
  */
 epx_status_t epx__validate_topk_values(const char *op, const epx_tensor_t *topk_idx,
                                        int num_experts);
+
+/* Low-latency mode (src/validate_ll.c). */
+epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
+                                       const epx_ll_dispatch_result_t *result);
+epx_status_t epx__validate_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
+                                      int64_t num_tokens);
+/* EPX_ERR_INVALID_STATE naming `op` when the buffer has no low-latency mode. */
+epx_status_t epx__validate_ll_enabled(epx_buffer_t buffer, const char *op);
 
 #endif /* EPX_VALIDATE_H */

@@ -1,5 +1,6 @@
 /*
- * `epx bench`: one harness for layout, dispatch, cached dispatch and combine, in the
+ * `epx bench`: one harness for layout, dispatch, cached dispatch and combine (from the
+ * combine-input view, and from a separate tensor), in the
  * manner of nccl-tests: the same flags for every op, inputs drawn from a seed, an
  * optional exact check against the oracle, and a table (or JSON lines) of the median
  * and p99 times with the metrics DeepEP reports.
@@ -26,7 +27,9 @@
 static const char bench_usage[] =
     "usage: epx bench [options]\n"
     "\n"
-    "Time (and with --check verify) layout, dispatch, cached dispatch and combine.\n"
+    "Time (and with --check verify) layout, dispatch, cached dispatch and combine:\n"
+    "combine with x in the buffer's combine-input view (zero-copy, op \"combine\") and\n"
+    "with x in a separate tensor (copied into the buffer first, op \"combine_copy\").\n"
     "Run inside `epx launch`, or give -n N to have it launch itself.\n"
     "\n"
     "options (defaults: the standard normal-mode case of DESIGN.md):\n"

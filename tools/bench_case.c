@@ -1,7 +1,14 @@
 /*
  * One `epx bench` case (one dispatch dtype): make the inputs from the seed, run
- * layout, dispatch, combine and a cached dispatch once and check them against the
- * oracle, then time the four ops together, iteration after iteration.
+ * layout, dispatch, cached dispatch and combine both ways once and check them against
+ * the oracle, then time the five ops together, iteration after iteration.
+ *
+ * Combine is timed twice. "combine" takes its x from the buffer's combine-input view
+ * (epx_get_combine_input), where a caller computes its expert outputs: the fast path,
+ * peers read the rows in place. The rows are written there once, before timing: no
+ * operation writes the region (the host backend's copy path stages the same rows
+ * there, the same values), so they stay valid across iterations. "combine_copy" takes
+ * x from a separate tensor, which the backend first copies into the buffer.
  *
  * Every rank runs the same sequence of collective calls whatever its check found, so a
  * wrong result on one rank is reported, never turned into a hang on the others.
@@ -34,7 +41,7 @@ typedef struct {
     void *per_rank;
     void *per_expert;
     void *in_rank;
-    void *combine_x;
+    void *combine_x; /* combine_copy's x (combine's is the buffer's combine-input view) */
     void *out_x;
 } bench_case_t;
 
@@ -90,13 +97,28 @@ static void run_dispatch(bench_case_t *bc, epx_handle_t cached, epx_dispatch_res
                     cached == NULL ? "epx_dispatch" : "epx_dispatch (cached)");
 }
 
-static void run_combine(bench_case_t *bc, epx_handle_t handle)
+/* The combine-input view for `handle` (the same memory for every handle of the buffer). */
+static epx_tensor_t combine_view(bench_case_t *bc, epx_handle_t handle)
+{
+    epx_tensor_t view = EPX_TENSOR_NONE;
+    epx__bench_must(bc->rank, epx_get_combine_input(bc->buffer, handle, &view),
+                    "epx_get_combine_input");
+    return view;
+}
+
+/* x from the combine-input view (`op` EPX__BENCH_OP_COMBINE) or a separate tensor. */
+static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t op)
 {
     epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
     args.handle = handle;
-    args.x = epx_tensor_2d(bc->combine_x, EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
+    if (op == EPX__BENCH_OP_COMBINE)
+        args.x = combine_view(bc, handle);
+    else
+        args.x = epx_tensor_2d(bc->combine_x, EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
     args.out_x = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
-    epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream), "epx_combine");
+    epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream),
+                    op == EPX__BENCH_OP_COMBINE ? "epx_combine (input view)"
+                                                : "epx_combine (separate x)");
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -141,11 +163,12 @@ static void setup(bench_case_t *bc)
 }
 
 /*
- * Combine input: the row each received token carries back. With the oracle's source
- * arrays (the checked run) it is what moe_oracle_combine expects; without them any
- * values time the same.
+ * Combine input: the row each received token carries back, in a separate tensor and in
+ * the combine-input view of `handle`. With the oracle's source arrays (the checked
+ * run) it is what moe_oracle_combine expects; without them any values time the same.
  */
-static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected)
+static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
+                               epx_handle_t handle)
 {
     size_t row_bytes = (size_t)bc->moe.hidden * 2;
     uint16_t *rows = malloc((size_t)(bc->num_recv > 0 ? bc->num_recv : 1) * row_bytes);
@@ -160,6 +183,16 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected)
         moe_combine_row(&bc->moe, bc->rank, src_rank, src_token, rows + i * bc->moe.hidden);
     }
     bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
+    epx_tensor_t view = combine_view(bc, handle);
+    if (view.shape[0] < bc->num_recv) {
+        fprintf(stderr, "epx bench: %s: the combine-input view has %lld rows, %lld received\n",
+                bc->label, (long long)view.shape[0], (long long)bc->num_recv);
+        exit(1);
+    }
+    epx__bench_must(bc->rank,
+                    epx__bench_copy_in(bc->device, view.data, rows,
+                                       (size_t)bc->num_recv * row_bytes),
+                    "bench copy into the combine-input view");
     free(rows);
 }
 
@@ -263,7 +296,7 @@ static int check_dispatch(bench_case_t *bc, const moe_expected_t *expected,
     return ok;
 }
 
-static int check_combine(bench_case_t *bc)
+static int check_combine(bench_case_t *bc, const char *what)
 {
     uint16_t *expected = NULL;
     if (moe_oracle_combine(&bc->moe, bc->rank, &expected) != 0) {
@@ -272,8 +305,8 @@ static int check_combine(bench_case_t *bc)
     }
     epx_tensor_t out = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
     uint16_t *got = copy_out(bc, &out, bc->moe.num_tokens, bc->moe.hidden);
-    int ok = epx__bench_compare_bf16(bc->label, "combine out_x", got, expected,
-                                     bc->moe.num_tokens, bc->moe.hidden, 1);
+    int ok = epx__bench_compare_bf16(bc->label, what, got, expected, bc->moe.num_tokens,
+                                     bc->moe.hidden, 1);
     free(got);
     free(expected);
     return ok;
@@ -303,15 +336,24 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
     if (check && !check_dispatch(bc, &expected, &result, 0))
         summary->check[EPX__BENCH_OP_DISPATCH] = EPX__BENCH_CHECK_FAIL;
 
-    make_combine_input(bc, check ? &expected : NULL);
-    run_combine(bc, result.handle);
-    if (check && !check_combine(bc))
-        summary->check[EPX__BENCH_OP_COMBINE] = EPX__BENCH_CHECK_FAIL;
-
     epx_dispatch_result_t cached;
     run_dispatch(bc, result.handle, &cached);
     if (check && !check_dispatch(bc, &expected, &cached, 1))
         summary->check[EPX__BENCH_OP_CACHED_DISPATCH] = EPX__BENCH_CHECK_FAIL;
+
+    make_combine_input(bc, check ? &expected : NULL, result.handle);
+    /* out_x is cleared before each, so neither check can pass on the other's result. */
+    size_t out_bytes = (size_t)bc->moe.num_tokens * (size_t)bc->moe.hidden * 2;
+    const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY};
+    for (int i = 0; i < 2; i++) {
+        epx__bench_must(bc->rank, epx__bench_fill(bc->device, bc->out_x, 0xff, out_bytes),
+                        "bench clearing out_x");
+        run_combine(bc, result.handle, combines[i]);
+        if (check && !check_combine(bc, combines[i] == EPX__BENCH_OP_COMBINE
+                                            ? "combine (input view) out_x"
+                                            : "combine_copy (separate x) out_x"))
+            summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
+    }
 
     epx__bench_must(bc->rank, epx_handle_destroy(result.handle), "epx_handle_destroy");
     if (check)
@@ -378,8 +420,10 @@ static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 2), "timestamp");
         run_dispatch(bc, result.handle, &cached);
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 3), "timestamp");
-        run_combine(bc, result.handle);
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE);
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 4), "timestamp");
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_COPY);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 5), "timestamp");
 
         double durations[EPX__BENCH_OP_COUNT];
         epx__bench_must(bc->rank, epx__bench_elapsed_us(bc->device, EPX__BENCH_OP_COUNT + 1, durations),
@@ -406,6 +450,7 @@ static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
     case EPX__BENCH_OP_CACHED_DISPATCH:
         return hidden * (int64_t)element_size(bc) + (is_fp8(bc) ? bc->scale_cols * 4 : 0);
     case EPX__BENCH_OP_COMBINE:
+    case EPX__BENCH_OP_COMBINE_COPY:
         return hidden * 2;
     default:
         return 0; /* layout moves no payload */

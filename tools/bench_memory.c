@@ -133,6 +133,24 @@ epx_status_t epx__bench_copy_in(const epx__bench_device_t *device, void *dst, co
     return EPX_SUCCESS;
 }
 
+epx_status_t epx__bench_fill(const epx__bench_device_t *device, void *data, int byte,
+                             size_t bytes)
+{
+    if (bytes == 0)
+        return EPX_SUCCESS;
+#ifdef EPX_WITH_CUDA
+    if (is_cuda(device)) {
+        cudaStream_t stream = (cudaStream_t)device->stream;
+        CUDA_CALL(cudaMemsetAsync(data, byte, bytes, stream), "cudaMemsetAsync");
+        CUDA_CALL(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        return EPX_SUCCESS;
+    }
+#endif
+    (void)device;
+    memset(data, byte, bytes);
+    return EPX_SUCCESS;
+}
+
 epx_status_t epx__bench_copy_rows_out(const epx__bench_device_t *device, void *dst,
                                       const void *src, int64_t rows, size_t row_bytes,
                                       size_t src_pitch)

@@ -33,6 +33,9 @@ void epx__bench_free(const epx__bench_device_t *device, void *data);
 /* Host -> backend memory. */
 epx_status_t epx__bench_copy_in(const epx__bench_device_t *device, void *dst, const void *src,
                                 size_t bytes);
+/* Set `bytes` of backend memory to `byte`, in the bench stream's order (then waits). */
+epx_status_t epx__bench_fill(const epx__bench_device_t *device, void *data, int byte,
+                             size_t bytes);
 /*
  * Backend memory -> host, `rows` rows of `row_bytes` read `src_pitch` bytes apart and
  * written contiguously. Waits for the work queued on the bench stream first.

@@ -21,6 +21,8 @@ const char *epx__bench_op_name(epx__bench_op_t op)
         return "cached_dispatch";
     case EPX__BENCH_OP_COMBINE:
         return "combine";
+    case EPX__BENCH_OP_COMBINE_COPY:
+        return "combine_copy";
     default:
         return "unknown";
     }

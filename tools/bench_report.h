@@ -15,8 +15,9 @@ typedef enum {
     EPX__BENCH_OP_LAYOUT = 0,
     EPX__BENCH_OP_DISPATCH = 1,
     EPX__BENCH_OP_CACHED_DISPATCH = 2,
-    EPX__BENCH_OP_COMBINE = 3,
-    EPX__BENCH_OP_COUNT = 4,
+    EPX__BENCH_OP_COMBINE = 3,      /* x in the buffer's combine-input view (zero-copy) */
+    EPX__BENCH_OP_COMBINE_COPY = 4, /* x in a separate tensor (copied into the buffer) */
+    EPX__BENCH_OP_COUNT = 5,
 } epx__bench_op_t;
 
 const char *epx__bench_op_name(epx__bench_op_t op);

@@ -137,6 +137,7 @@ class BufferConfig(Structure):
         ("num_topk", c_int),
         ("dispatch_dtype", c_int),
         ("num_sms", c_int),
+        ("max_low_latency_tokens", c_int64),
     ]
 
 
@@ -266,6 +267,7 @@ _PROTOTYPES = {
     "epx_dispatch": (c_int, [epx_buffer_p, POINTER(DispatchArgs), POINTER(DispatchResult),
                              c_void_p]),
     "epx_combine": (c_int, [epx_buffer_p, POINTER(CombineArgs), c_void_p]),
+    "epx_get_combine_input": (c_int, [epx_buffer_p, epx_handle_p, POINTER(Tensor)]),
     "epx_handle_get_info": (c_int, [epx_handle_p, POINTER(HandleInfo)]),
     "epx_handle_destroy": (c_int, [epx_handle_p]),
 }

@@ -40,9 +40,14 @@ class Handle:
     expert_alignment, num_recv_tokens_per_expert_list.
     """
 
-    def __init__(self, buffer, pointer, num_recv_tokens_per_expert_list):
+    def __init__(self, buffer, pointer, num_recv_tokens_per_expert_list, framework=None,
+                 raw=False):
         self._buffer = buffer
         self._ptr = pointer
+        # The dispatch's framework and raw-bits mode: get_combine_input returns a view of
+        # the same kind as that dispatch's outputs.
+        self._framework = framework
+        self._raw = raw
         info = _capi.HandleInfo()
         check(_capi.api().epx_handle_get_info(pointer, ctypes.byref(info)), "handle_get_info")
         self.num_tokens = info.num_tokens
@@ -346,6 +351,11 @@ class Buffer:
 
     def _view(self, tensor, call, raw, copy):
         """A caller-framework tensor over an epx_tensor_t result (None if not given)."""
+        out = self._view_in(tensor, call.framework, raw)
+        return call.framework.copy(out) if copy and out is not None else out
+
+    def _view_in(self, tensor, framework, raw):
+        """A tensor of `framework` over buffer memory described by `tensor`, zero-copy."""
         if not tensor.data and tensor.ndim == 0:
             return None
         ndim = tensor.ndim
@@ -357,8 +367,7 @@ class Buffer:
                 strides[i] = strides[i + 1] * shape[i + 1]
         view = _dlpack.DLPackView(tensor.data or 0, shape, strides, 0, 0, self._view_device,
                                   self)
-        out = call.framework.from_view(view, tensor.dtype, raw)
-        return call.framework.copy(out) if copy else out
+        return framework.from_view(view, tensor.dtype, raw)
 
     def _begin(self, previous_event):
         self.pointer  # raises after destroy()
@@ -481,7 +490,7 @@ class Buffer:
         if result.num_recv_tokens_per_expert:
             counts = [int(result.num_recv_tokens_per_expert[i])
                       for i in range(result.num_local_experts)]
-        new_handle = Handle(self, result.handle, counts)
+        new_handle = Handle(self, result.handle, counts, call.framework, raw)
         self._handles.add(new_handle)
         recv_idx = self._view(result.recv_topk_idx, call, False, copy)
         recv_weights = self._view(result.recv_topk_weights, call, False, copy)
@@ -491,11 +500,45 @@ class Buffer:
 
     # ------------------------------------------------------------ combine
 
+    def get_combine_input(self, handle):
+        """Where to compute the expert outputs for `handle`, so combine needs no copy.
+
+        Returns a bf16 [rows, hidden] tensor that is a view of memory inside the epx
+        buffer (rows = handle.num_recv_tokens; max_tokens_per_rank * num_ranks in
+        worst-case mode on the GPU), of the framework and device of the dispatch that made
+        the handle (raw uint16 bits when that dispatch took raw bits). Write the expert
+        output of received row i into row i (e.g. torch's ``out=``, or ``view.copy_()``)
+        and pass the view as combine's x: the peers read it where it is, which is
+        combine's fast path; any other x is first copied into the buffer. Works for bf16
+        and fp8 dispatches alike (the view is bf16 either way). The memory is yours until
+        the next combine returns; write it again after each dispatch. Local: no
+        communication. JAX arrays are immutable, so JAX callers cannot use it.
+        """
+        self.pointer  # raises after destroy()
+        if not isinstance(handle, Handle):
+            raise invalid_argument("get_combine_input: handle must be an epx.Handle from this "
+                                   "buffer's dispatch, not %s" % type(handle).__name__)
+        if handle._buffer is not self:
+            raise invalid_argument("get_combine_input: handle was made by another buffer")
+        if not handle.alive:
+            raise invalid_argument("get_combine_input: handle was destroyed")
+        framework = handle._framework or _frameworks.named("numpy")
+        if framework.name == "jax":
+            raise invalid_argument("get_combine_input: JAX arrays are immutable, so a JAX "
+                                   "program cannot write into the buffer; pass the expert "
+                                   "outputs to combine as a separate array")
+        tensor = _capi.Tensor()
+        check(_capi.api().epx_get_combine_input(self.pointer, handle._ptr,
+                                                ctypes.byref(tensor)), "get_combine_input")
+        return self._view_in(tensor, framework, handle._raw)
+
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """Send each received row back to its token's rank, summed there (collective).
 
-        x: [num_recv_tokens, hidden] bf16, rows in the order dispatch returned them.
+        x: [num_recv_tokens, hidden] bf16, rows in the order dispatch returned them. Best
+            the view of get_combine_input(handle), computed into: read in place, no copy
+            (x is passed to the library as it is, never copied here, whatever it is).
         handle: from that dispatch. topk_weights: [num_recv_tokens, num_topk] fp32, summed
         the same way. bias: not supported (add it after combine).
 
@@ -553,7 +596,8 @@ class Buffer:
 
     def get_local_buffer_tensor(self, *args, **kwargs):
         raise NotImplementedError("get_local_buffer_tensor: epx does not expose its raw "
-                                  "buffer memory")
+                                  "buffer memory; get_combine_input(handle) gives the part "
+                                  "meant for the caller (combine's input)")
 
     def __repr__(self):
         return ("epx.Buffer(rank=%d of %d, backend=%s, max_tokens_per_rank=%d, hidden=%d, "

@@ -3,6 +3,8 @@
 Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_buffer.py`.
 """
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -133,6 +135,67 @@ def test_combine(group, tensors, make_buffer):
     assert event.event is None
 
 
+def _address(tensor):
+    """The address a tensor's data starts at, as the C library sees it."""
+    return epx._tensor.resolve(tensor, "tensor").data
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_combine_input_view(group, tensors, make_buffer, monkeypatch, dtype):
+    """Expert outputs written into get_combine_input's view, which combine reads in place."""
+    case = Case(group.world_size, seed=62, dtype=dtype)
+    buffer = make_buffer(case)
+    x, scales, idx, w = case.inputs(group.rank)
+    x_in = (tensors.put(x), tensors.put(scales)) if dtype == "fp8" else tensors.put(x)
+    _, _, recv_w, _, handle, _ = buffer.dispatch(x_in, topk_idx=tensors.put(idx),
+                                                 topk_weights=tensors.put(w))
+    if tensors.name == "jax":
+        with pytest.raises(epx.EpxError, match="JAX arrays are immutable"):
+            buffer.get_combine_input(handle)
+        return
+    view = buffer.get_combine_input(handle)
+    want = case.dispatch(group.rank)
+    n = len(want["src"])
+    assert tuple(view.shape) == (n, case.hidden)
+    assert tensors.get(view).dtype == BF16
+    # A view of the buffer's region, the same memory every time.
+    api = epx._capi.api()
+    region = epx._capi.Tensor()
+    assert api.epx_get_combine_input(buffer.pointer, handle._ptr, ctypes.byref(region)) == 0
+    assert _address(view) == region.data
+    assert _address(buffer.get_combine_input(handle)) == region.data
+
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    if tensors.name == "torch":
+        view.copy_(tensors.put(rows))
+    else:
+        view[...] = rows
+    # combine hands the view itself to the library: no copy on the Python side.
+    passed = []
+    combine = api.epx_combine
+
+    def spy(buffer_pointer, args, stream):
+        passed.append(args._obj.x.data)
+        return combine(buffer_pointer, args, stream)
+
+    monkeypatch.setattr(api, "epx_combine", spy)
+    weights = tensors.get(recv_w) * np.float32(group.rank + 1)
+    combined, combined_w, _ = buffer.combine(view, handle, topk_weights=tensors.put(weights))
+    monkeypatch.undo()
+    assert passed == [region.data]
+    want_x, want_w = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+    np.testing.assert_allclose(tensors.get(combined_w), want_w, rtol=1e-6, atol=1e-6)
+
+    # Refused locally (the peers are not waiting): a destroyed handle, another buffer's.
+    other = make_buffer(case)
+    with pytest.raises(epx.EpxError, match="another buffer"):
+        other.get_combine_input(handle)
+    handle.destroy()
+    with pytest.raises(epx.EpxError, match="destroyed"):
+        buffer.get_combine_input(handle)
+
+
 def test_combine_of_dispatch_is_sum_over_ranks(group, tensors, make_buffer):
     """combine(dispatch(x)) = x times the number of ranks each token went to."""
     case = Case(group.world_size, seed=71, num_topk=2)
@@ -252,6 +315,8 @@ def test_raw_bits(group, make_buffer):
     np.testing.assert_array_equal(recv_x, case.dispatch(group.rank)["recv_x"].view(np.uint16))
     combined, _, _ = buffer.combine(epx.raw_bits(recv_x), handle)
     assert combined.dtype == np.uint16
+    # The combine-input view follows the dispatch: raw bits in, raw bits out.
+    assert buffer.get_combine_input(handle).dtype == np.uint16
 
 
 def test_low_latency_is_not_implemented(group, make_buffer):

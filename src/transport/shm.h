@@ -15,6 +15,7 @@
 #define EPX_TRANSPORT_SHM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "internal.h"
 
@@ -50,6 +51,23 @@ size_t epx__shm_data_bytes(const epx__shm_t *shm);
 
 /* Bytes one rank's segment takes for a data area of `data_bytes` (header included). */
 size_t epx__shm_segment_bytes(size_t data_bytes);
+
+/*
+ * Sequence flags (src/transport/shm_flag.c), for waits between some ranks only: a writer
+ * stores a flag (release) after the data it guards; a reader loads it (acquire).
+ */
+uint64_t epx__shm_flag_load(const uint64_t *flag);
+void epx__shm_flag_store(uint64_t *flag, uint64_t value);
+
+/*
+ * Wait until *flags[r] >= target for every rank r with flags[r] != NULL and failed[r]
+ * == 0. A rank that published a failure, exited or did not answer within the group's
+ * timeout gets failed[r] = 1 and is no longer waited for; the others still are. Returns
+ * EPX_SUCCESS, or the first such failure (EPX_ERR_REMOTE / EPX_ERR_TIMEOUT) with a
+ * message naming `stage` and the rank, once every other flag has arrived.
+ */
+epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
+                                 uint64_t target, uint8_t *failed);
 
 /* Unmap everything (segments were already unlinked by create). NULL is a no-op. */
 void epx__shm_destroy(epx__shm_t *shm);

@@ -1,8 +1,10 @@
 /*
- * Normal mode on the CUDA backend: checked against the oracle, then timed, including
- * what `epx bench` does not time: combine with its input in place in the buffer (the
- * dispatch recv_x view overwritten with expert outputs), next to combine from a tensor
- * outside the buffer (one local copy first). Run by scripts/gpu-check:
+ * Normal mode on the CUDA backend: checked against the oracle, then timed: dispatch,
+ * cached dispatch, and combine both ways, with its input in the buffer's combine-input
+ * view (epx_get_combine_input: expert outputs written there, read in place by the
+ * peers; bf16 and fp8 dispatch alike) and from a tensor outside the buffer (one local
+ * copy first). The CUDA-graph check combines the dispatch recv_x view in place. Run by
+ * scripts/gpu-check:
  *
  *   epx launch -n 8 --mps -- cuda_normal [--tokens 4096] [--hidden 7168]
  *        [--experts 256] [--topk 8] [--sms 16] [--warmup 5] [--iters 20] [--check 1]
@@ -40,8 +42,8 @@
         }                                                                                \
     } while (0)
 
-enum { OP_DISPATCH, OP_COMBINE_INPLACE, OP_COMBINE_COPY, OP_CACHED, OP_COUNT };
-static const char *op_names[OP_COUNT] = {"dispatch", "combine (x in buffer)",
+enum { OP_DISPATCH, OP_COMBINE_VIEW, OP_COMBINE_COPY, OP_CACHED, OP_COUNT };
+static const char *op_names[OP_COUNT] = {"dispatch", "combine (input view)",
                                          "combine (x copied in)", "cached dispatch"};
 
 static int g_rank = -1;
@@ -257,7 +259,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     args.topk_idx = epx_tensor_2d(idx, EPX_DTYPE_INT64, T, K);
     args.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, T, K);
 
-    /* ---- checked run: dispatch, combine in place / copied in, cached dispatch */
+    /* ---- checked run: dispatch, combine from the input view / copied in, cached dispatch */
     epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
     EPX_OK(epx_dispatch(buffer, &args, &res, stream));
     int64_t n = res.num_recv_tokens;
@@ -293,18 +295,27 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     epx_combine_args_t back = EPX_COMBINE_ARGS_INIT;
     back.handle = res.handle;
     back.out_x = epx_tensor_2d(out, EPX_DTYPE_BF16, T, H);
-    if (!fp8) {
-        /* Expert outputs written over the receive view: the in-place path. */
-        if (check)
-            CUDA_OK(cudaMemcpy(res.recv_x.data, combine_rows, (size_t)(n * H) * 2,
-                               cudaMemcpyHostToDevice));
-        back.x = res.recv_x;
-        CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
-        EPX_OK(epx_combine(buffer, &back, stream));
-        CUDA_OK(cudaStreamSynchronize(stream));
-        if (check)
-            check_combine("combine (x in buffer)", &c, out, T);
+    /* Expert outputs written into the combine-input view: the zero-copy path. They are
+     * written once: no operation writes the region, so the timed runs reuse them. */
+    epx_tensor_t view = EPX_TENSOR_NONE;
+    EPX_OK(epx_get_combine_input(buffer, res.handle, &view));
+    if (view.shape[0] != n || view.shape[1] != H || view.dtype != EPX_DTYPE_BF16) {
+        fprintf(stderr, "cuda_normal: rank %d: combine input view is [%lld, %lld] %s, expected "
+                "[%lld, %lld] bf16\n", g_rank, (long long)view.shape[0],
+                (long long)view.shape[1], epx_dtype_name(view.dtype), (long long)n,
+                (long long)H);
+        exit(1);
     }
+    CUDA_OK(cudaMemcpy(view.data, combine_rows, (size_t)(n * H) * 2, cudaMemcpyHostToDevice));
+    /* A copy from pageable memory may still be landing when cudaMemcpy returns, and the
+     * operations run on a non-blocking stream: wait for it. */
+    CUDA_OK(cudaDeviceSynchronize());
+    back.x = view;
+    CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
+    EPX_OK(epx_combine(buffer, &back, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    if (check)
+        check_combine("combine (input view)", &c, out, T);
     back.x = epx_tensor_2d(combine_x, EPX_DTYPE_BF16, n, H);
     CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
     EPX_OK(epx_combine(buffer, &back, stream));
@@ -337,7 +348,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
         EPX_OK(epx_dispatch(buffer, &args, &res, stream));
         CUDA_OK(cudaEventRecord(ev[1], stream));
         back.handle = res.handle;
-        back.x = fp8 ? epx_tensor_2d(combine_x, EPX_DTYPE_BF16, n, H) : res.recv_x;
+        EPX_OK(epx_get_combine_input(buffer, res.handle, &back.x));
         EPX_OK(epx_combine(buffer, &back, stream));
         CUDA_OK(cudaEventRecord(ev[2], stream));
         back.x = epx_tensor_2d(combine_x, EPX_DTYPE_BF16, n, H);
@@ -371,8 +382,6 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
         rows_total += all[r];
     if (g_rank == 0) {
         for (int op = 0; op < OP_COUNT; op++) {
-            if (fp8 && op == OP_COMBINE_INPLACE)
-                continue;
             qsort(times[op], (size_t)iters, sizeof(double), compare_double);
             int64_t row = (op == OP_DISPATCH || op == OP_CACHED)
                               ? H * (int64_t)elem + (fp8 ? (H / 128) * 4 : 0)

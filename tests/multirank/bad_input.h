@@ -44,5 +44,6 @@ void bi_run_dispatch_cases(void);
 void bi_run_combine_cases(void);
 void bi_run_layout_cases(void);
 void bi_run_remote_cases(void);
+void bi_run_ll_cases(void); /* bad_input_ll.c */
 
 #endif /* EPX_MULTIRANK_BAD_INPUT_H */

@@ -1,5 +1,6 @@
 /*
- * Rejected combine arguments, buffer configs and handle calls (test_bad_input, one rank).
+ * Rejected combine arguments, combine-input views, buffer configs and handle calls
+ * (test_bad_input, one rank).
  */
 #include <stdio.h>
 #include <string.h>
@@ -110,6 +111,38 @@ static void run_foreign_handle_cases(void)
     bi_teardown(&other);
 }
 
+/*
+ * epx_get_combine_input: local, so a rejection leaves the buffer usable; a handle only
+ * opens a view of the buffer that made it.
+ */
+static void run_combine_input_cases(void)
+{
+    combine_fixture_t cf;
+    bi_fixture_t other;
+    epx_tensor_t view = EPX_TENSOR_NONE;
+    combine_setup(&cf);
+    bi_setup(&other, EPX_DTYPE_BF16, BI_TOKENS);
+    bi_expect("get_combine_input: NULL buffer",
+              epx_get_combine_input(NULL, cf.args.handle, &view), INVALID, "buffer");
+    bi_expect("get_combine_input: NULL handle", epx_get_combine_input(cf.f.buffer, NULL, &view),
+              INVALID, "handle");
+    bi_expect("get_combine_input: NULL x",
+              epx_get_combine_input(cf.f.buffer, cf.args.handle, NULL), INVALID, "x");
+    bi_expect("get_combine_input: handle from another buffer",
+              epx_get_combine_input(other.buffer, cf.args.handle, &view), INVALID, "handle");
+    CHECK(view.data == NULL); /* outputs are written only on success */
+
+    /* None of that poisoned the buffer: the view opens and combine reads through it. */
+    CHECK_OK(epx_get_combine_input(cf.f.buffer, cf.args.handle, &view));
+    CHECK(view.data != NULL && view.dtype == EPX_DTYPE_BF16 && view.ndim == 2);
+    CHECK_EQ_INT(view.shape[0], cf.num_recv);
+    CHECK_EQ_INT(view.shape[1], BI_HIDDEN);
+    cf.args.x = view;
+    CHECK_OK(epx_combine(cf.f.buffer, &cf.args, NULL));
+    combine_teardown(&cf);
+    bi_teardown(&other);
+}
+
 void bi_run_combine_cases(void)
 {
     combine_fixture_t cf;
@@ -126,6 +159,7 @@ void bi_run_combine_cases(void)
         combine_teardown(&cf);
     }
     run_foreign_handle_cases();
+    run_combine_input_cases();
 
     /* The unbroken arguments combine. */
     combine_setup(&cf);
@@ -143,7 +177,7 @@ void bi_run_combine_cases(void)
 
 /* ---------------------------------------------------------------- buffer config */
 
-static void size_field(epx_buffer_config_t *c) { c->size = sizeof *c - 8; }
+static void size_field(epx_buffer_config_t *c) { c->size = sizeof *c - 4; } /* sizeof - 8 is the accepted pre-low-latency size */
 static void zero_tokens(epx_buffer_config_t *c) { c->max_tokens_per_rank = 0; }
 static void negative_tokens(epx_buffer_config_t *c) { c->max_tokens_per_rank = -5; }
 static void zero_hidden(epx_buffer_config_t *c) { c->hidden = 0; }

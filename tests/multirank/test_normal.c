@@ -5,7 +5,8 @@
  *   epx launch -n N -- test_normal [--case NAME|all] [--backend host|cuda|auto]
  *
  * Each case of the table runs on a fresh buffer: layout; fresh dispatch into buffer
- * views and into caller outputs; combine with and without top-k weights; the round trip
+ * views and into caller outputs; combine with and without top-k weights, and through
+ * the zero-copy input view (epx_get_combine_input); the round trip
  * combine(dispatch(x)) == x * (ranks that received it); cached dispatch; worst-case
  * dispatch; then more rounds with new seeds on the same buffer. Inputs and outputs live
  * in the backend's memory (mem.h), so the program runs unchanged on the GPU.
@@ -310,6 +311,79 @@ static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t
 }
 
 /*
+ * Combine through the zero-copy input (epx_get_combine_input): the view has the
+ * handle's rows (max_tokens * R when the host does not know them: worst-case mode on a
+ * GPU) and is the same memory every time. The moe_combine_row rows are written into it
+ * when `fill` (otherwise what an earlier fill left there must still be intact: no
+ * dispatch writes the region) and the view itself is combine's x. Checked against
+ * moe_oracle_combine, with top-k weights from a separate tensor.
+ */
+static void combine_view_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                               int64_t max_tokens, int fill, const char *step)
+{
+    const moe_case_t *c = ctx->c;
+    const moe_expected_t *e = ctx->e;
+    int64_t hidden = c->hidden, n = ctx->in->num_tokens;
+    int k = c->num_topk;
+    epx_tensor_t view = EPX_TENSOR_NONE, again = EPX_TENSOR_NONE;
+    CHECK_OK(epx_get_combine_input(buffer, handle, &view));
+    CHECK_OK(epx_get_combine_input(buffer, handle, &again));
+    epx_handle_info_t info;
+    CHECK_OK(epx_handle_get_info(handle, &info));
+    int64_t rows = info.num_recv_tokens >= 0 ? info.num_recv_tokens : max_tokens * c->world_size;
+    if (view.data == NULL || view.dtype != EPX_DTYPE_BF16 || view.ndim != 2 ||
+        view.shape[0] != rows || view.shape[1] != hidden ||
+        (view.strides[0] != 0 && view.strides[0] != hidden))
+        nt_fail(ctx, step, "combine input view is %p %s [%lld, %lld] (ndim %d, row stride "
+                "%lld), expected bf16 [%lld, %lld] contiguous",
+                view.data, epx_dtype_name(view.dtype), (long long)view.shape[0],
+                (long long)view.shape[1], view.ndim, (long long)view.strides[0],
+                (long long)rows, (long long)hidden);
+    if (again.data != view.data || again.shape[0] != view.shape[0])
+        nt_fail(ctx, step, "a second epx_get_combine_input gave %p [%lld], the first %p [%lld]",
+                again.data, (long long)again.shape[0], view.data, (long long)view.shape[0]);
+
+    uint16_t *x_rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    float *weight_rows = calloc((size_t)(rows * k) + 1, 4);
+    uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
+    float *got_weights = calloc((size_t)(n * k) + 1, 4);
+    CHECK(x_rows != NULL && weight_rows != NULL && got != NULL && got_weights != NULL);
+    for (int64_t i = 0; i < e->num_recv; i++)
+        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
+                        x_rows + i * hidden);
+    if (fill)
+        mr_mem_to_device(view.data, x_rows, (size_t)(e->num_recv * hidden) * 2);
+    /* Weights have x's rows; rows past the received ones are never read. */
+    memcpy(weight_rows, e->recv_topk_weights, (size_t)(e->num_recv * k) * 4);
+
+    void *weights = mr_mem_from_host(weight_rows, (size_t)(rows * k) * 4);
+    void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2, 0xff);
+    void *out_weights = mr_mem_alloc((size_t)(n * k) * 4, 0xff);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    args.x = view;
+    args.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, rows, k);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, hidden);
+    args.out_topk_weights = epx_tensor_2d(out_weights, EPX_DTYPE_FP32, n, k);
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+
+    uint16_t *want;
+    CHECK_EQ_INT(moe_oracle_combine(c, ctx->rank, &want), 0);
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    mr_mem_to_host(got_weights, out_weights, (size_t)(n * k) * 4);
+    nt_check_combined_weights(ctx, step, got_weights);
+    free(want);
+    free(x_rows);
+    free(weight_rows);
+    free(got);
+    free(got_weights);
+    mr_mem_free(weights);
+    mr_mem_free(out_x);
+    mr_mem_free(out_weights);
+}
+
+/*
  * Combine of the dispatched rows themselves (bf16): every token comes back as itself
  * times the number of ranks that received it.
  */
@@ -363,13 +437,20 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
     combine_check(ctx, buffer, views, 0, "combine without weights");
     if (c->dtype == EPX_DTYPE_BF16)
         roundtrip_check(ctx, buffer, owned, exact.x);
+    combine_view_check(ctx, buffer, views, max_tokens, 1, "combine through the input view");
     dispatch_cached(ctx, buffer, in, views);
+    /* No dispatch writes the view: the rows written above are still there. (A combine
+     * from other memory may: the host backend stages such an x in the same rows.) */
+    combine_view_check(ctx, buffer, views, max_tokens, 0,
+                       "combine through the input view after a cached dispatch, not rewritten");
     combine_check(ctx, buffer, views, 1, "combine after cached dispatch");
 
     epx_handle_t worst_handle =
         dispatch_fresh_outputs(ctx, buffer, in, max_tokens * c->world_size,
                                EPX_DISPATCH_WORST_CASE, &worst, "worst-case dispatch");
     combine_check(ctx, buffer, worst_handle, 1, "combine of worst-case dispatch");
+    combine_view_check(ctx, buffer, worst_handle, max_tokens, 1,
+                       "combine of worst-case dispatch through the input view");
 
     CHECK_OK(epx_handle_destroy(worst_handle));
     CHECK_OK(epx_handle_destroy(owned));
@@ -408,6 +489,8 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
             epx_handle_t handle = dispatch_fresh_views(&ctx, buffer, &in, step);
             snprintf(step, sizeof step, "round %d combine", round);
             combine_check(&ctx, buffer, handle, 1, step);
+            snprintf(step, sizeof step, "round %d combine through the input view", round);
+            combine_view_check(&ctx, buffer, handle, nc->max_tokens, 1, step);
             CHECK_OK(epx_handle_destroy(handle));
         }
         moe_expected_free(&e);

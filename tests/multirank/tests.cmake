@@ -10,7 +10,8 @@ target_link_libraries(epx_multirank_common PUBLIC epx_internal epx_test_common)
 add_executable(test_normal ${EPX_MULTIRANK_DIR}/test_normal.c ${EPX_MULTIRANK_DIR}/normal_check.c)
 add_executable(test_bad_input
                ${EPX_MULTIRANK_DIR}/test_bad_input.c ${EPX_MULTIRANK_DIR}/bad_input_dispatch.c
-               ${EPX_MULTIRANK_DIR}/bad_input_combine.c ${EPX_MULTIRANK_DIR}/bad_input_remote.c)
+               ${EPX_MULTIRANK_DIR}/bad_input_combine.c ${EPX_MULTIRANK_DIR}/bad_input_remote.c
+               ${EPX_MULTIRANK_DIR}/bad_input_ll.c)
 add_executable(test_killed_rank ${EPX_MULTIRANK_DIR}/test_killed_rank.c)
 foreach(program test_normal test_bad_input test_killed_rank)
   target_link_libraries(${program} PRIVATE epx_multirank_common)
@@ -34,3 +35,12 @@ endforeach()
 add_test(NAME multirank.killed_rank
          COMMAND test_killed_rank --backend ${EPX_TEST_BACKEND})
 set_tests_properties(multirank.killed_rank PROPERTIES TIMEOUT 120 LABELS multirank)
+
+# Low-latency mode (include/epx.h, docs/LOW_LATENCY.md) against tests/common/moe_ll.c.
+add_executable(test_ll ${EPX_MULTIRANK_DIR}/test_ll.c)
+target_link_libraries(test_ll PRIVATE epx_multirank_common)
+foreach(ranks 1 2 4 8)
+  add_test(NAME multirank.ll.n${ranks}
+           COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_ll> --backend ${EPX_TEST_BACKEND})
+  set_tests_properties(multirank.ll.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
+endforeach()

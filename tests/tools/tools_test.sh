@@ -192,27 +192,27 @@ bench_check)
     run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check
     expect_rc 0
     expect_out '^# epx bench: backend host, 2 ranks, tokens 64 hidden 256 experts 8 topk 2'
-    expect_count ' PASS$' out 8
+    expect_count ' PASS$' out 10
     expect_count 'FAIL' out 0
-    for op in layout dispatch cached_dispatch combine; do
+    for op in layout dispatch cached_dispatch combine combine_copy; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
     done
     # One process without a launcher is a group of one.
     run "$EPX" bench --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check --alignment 4
     expect_rc 0
-    expect_count ' PASS$' out 4
+    expect_count ' PASS$' out 5
     ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2
     expect_rc 0
-    expect_count '.' out 8
-    expect_count '^{.*}$' out 8
+    expect_count '.' out 10
+    expect_count '^{.*}$' out 10
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 8, rows
+assert len(rows) == 10, rows
 for row in rows:
     assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
     assert row["check"] == "PASS", row
@@ -225,7 +225,8 @@ for row in rows:
         assert row["bytes_per_rank"] > 0 and row["total_bytes"] >= row["bytes_per_rank"], row
         assert row["gbps_per_rank"] > 0 and row["floor_us"] > 0, row
 assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
-    (d, o) for d in ("bf16", "fp8") for o in ("layout", "dispatch", "cached_dispatch", "combine"))
+    (d, o) for d in ("bf16", "fp8")
+    for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy"))
 PY
     fi
     ;;

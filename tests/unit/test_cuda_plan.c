@@ -1,6 +1,7 @@
 /*
  * The CUDA backend's host-side pieces that need no GPU: the memory plan every rank
- * shares (regions aligned, in order, not overlapping, large enough), the configs it
+ * shares (regions aligned, in order, not overlapping, large enough, the combine-input
+ * region included), the configs it
  * refuses, and device discovery that never fails without a driver.
  */
 #include <stdio.h>
@@ -58,6 +59,7 @@ static void check_plan(int world, int64_t tokens, int64_t hidden, int experts, i
         {s.off_topk_idx, rows * topk * 8},
         {s.off_topk_weights, rows * topk * 4},
         {s.off_combine_weights, rows * topk * 4},
+        {s.off_combine_input, rows * hidden * 2},
     };
     int64_t end = 0;
     for (size_t i = 0; i < sizeof(regions) / sizeof(regions[0]); i++) {
@@ -72,6 +74,14 @@ static void check_plan(int world, int64_t tokens, int64_t hidden, int experts, i
     }
     CHECK(s.shared_bytes >= end);
     CHECK_EQ_INT(s.x_pitch_max, hidden * 2);
+    /* The combine-input region is read in place with 16-byte vectors: its base and its
+     * bf16 row pitch (hidden is a multiple of 8) are 16-byte aligned. */
+    CHECK_EQ_INT(s.off_combine_input % 16, 0);
+    CHECK_EQ_INT((hidden * 2) % 16, 0);
+    /* What epx_buffer_size reports for this config covers every region. */
+    size_t bytes = 0;
+    CHECK_OK(epx__cuda_backend.buffer_size(&g, &c, &bytes));
+    CHECK(bytes >= (size_t)end);
     /* A handle slot holds send_row [tokens][world], the count and [L] per-expert counts. */
     CHECK(slot >= (size_t)(tokens * world * 4 + 4 + L * 4));
 }

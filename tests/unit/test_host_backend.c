@@ -213,6 +213,58 @@ static int body_exact(int rank, epx_buffer_t buffer)
     return 0;
 }
 
+/*
+ * Combine through the zero-copy input view: the staging rows of this rank, written by
+ * the caller, read in place by the peers (the x rows are not copied; the weights are).
+ * Each token comes home as 2 x value x receivers.
+ */
+static int body_combine_input(int rank, epx_buffer_t buffer)
+{
+    inputs_t in;
+    make_inputs(rank, &in);
+    for (int round = 0; round < 2; round++) {
+        epx_dispatch_args_t args = dispatch_args(rank, &in);
+        epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
+        CHECK_OK(epx_dispatch(buffer, &args, &result, NULL));
+        int n = expected_recv[rank];
+        epx_tensor_t view = EPX_TENSOR_NONE;
+        CHECK_OK(epx_get_combine_input(buffer, result.handle, &view));
+        CHECK(view.data != NULL && view.dtype == EPX_DTYPE_BF16 && view.ndim == 2);
+        CHECK_EQ_INT(view.shape[0], n);
+        CHECK_EQ_INT(view.shape[1], HIDDEN);
+        /* Not a dispatch output: the view is memory of its own. */
+        CHECK(view.data != result.recv_x.data);
+        uint16_t *rows = view.data;
+        const uint16_t *rx = result.recv_x.data;
+        for (int64_t i = 0; i < (int64_t)n * HIDDEN; i++)
+            rows[i] = bf16_of_int(2 * int_of_bf16(rx[i]));
+
+        uint16_t out[MAX_TOKENS][HIDDEN];
+        float out_weights[MAX_TOKENS][TOPK];
+        memset(out, 0xff, sizeof(out));
+        epx_combine_args_t back = EPX_COMBINE_ARGS_INIT;
+        back.handle = result.handle;
+        back.x = view;
+        back.topk_weights = result.recv_topk_weights;
+        back.out_x = epx_tensor_2d(out, EPX_DTYPE_BF16, num_tokens_of[rank], HIDDEN);
+        back.out_topk_weights =
+            epx_tensor_2d(out_weights, EPX_DTYPE_FP32, num_tokens_of[rank], TOPK);
+        CHECK_OK(epx_combine(buffer, &back, NULL));
+        for (int t = 0; t < num_tokens_of[rank]; t++) {
+            for (int i = 0; i < HIDDEN; i++)
+                CHECK_EQ_INT(int_of_bf16(out[t][i]),
+                             2 * receivers[rank][t] * x_value(rank, t, i));
+            for (int j = 0; j < TOPK; j++)
+                CHECK(out_weights[t][j] == (routing[rank][t][j] >= 0 ? in.weights[t][j] : 0.0f));
+        }
+        /* The rows are still as written: combine read them where they were. */
+        for (int64_t i = 0; i < (int64_t)n * HIDDEN; i++)
+            CHECK_EQ_INT(int_of_bf16(rows[i]), 2 * int_of_bf16(rx[i]));
+        CHECK_OK(epx_handle_destroy(result.handle));
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- failures */
 
 /* Both ranks dispatch once; then rank 0 dispatches again while rank 1 combines. */
@@ -391,6 +443,7 @@ static void run(const char *name, int world, rank_body_t body)
 int main(void)
 {
     run("hand-checked dispatch/combine", 2, body_exact);
+    run("combine through the zero-copy input view", 2, body_combine_input);
     run("ranks in different operations", 2, body_different_ops);
     run("fp8 on one rank, bf16 on the other", 2, body_mixed_dtypes);
     run("receive tensor too small", 2, body_small_output);

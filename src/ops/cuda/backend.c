@@ -1,7 +1,7 @@
 /*
  * The CUDA backend's buffers: memory plan, creation (device memory mapped by every peer
  * through CUDA IPC, a host-mapped control block, a pool for handles), destruction,
- * aborting peers, the layout operation, and the vtable.
+ * aborting peers, the layout operation, the combine-input region, and the vtable.
  *
  * Normal mode runs over CUDA IPC, so every rank of the group must be in one IPC domain
  * (ranks_per_node == world_size): one node's NVLink GPUs, or several processes sharing
@@ -98,6 +98,12 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     off += rows * K * 4;
     s->off_combine_weights = off = align_up(off, EPX_CUDA_REGION_ALIGN);
     off += rows * K * 4;
+    /* Combine's zero-copy input (epx_get_combine_input): bf16 rows apart from the
+     * receive region, so the experts can read recv_x (bf16 or fp8) while they write
+     * their outputs here. No operation writes it, so what the caller wrote survives
+     * later dispatches until it writes again. */
+    s->off_combine_input = off = align_up(off, EPX_CUDA_REGION_ALIGN);
+    off += rows * s->hidden * 2;
     s->shared_bytes = align_up(off, 1 << 21);
 
     int64_t slot = align_up(config->max_tokens_per_rank * R * 4, EPX_CUDA_REGION_ALIGN);
@@ -221,6 +227,15 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     return EPX_SUCCESS;
 }
 
+/* The combine-input region: peers read an x that lies there in place (combine.c). */
+static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t *rows)
+{
+    const epx__cuda_buffer_t *cuda = buffer->impl;
+    *base = (char *)cuda->ipc->local + cuda->shape.off_combine_input;
+    *rows = cuda->shape.max_recv;
+    return EPX_SUCCESS;
+}
+
 static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
@@ -303,5 +318,6 @@ const epx__backend_ops_t epx__cuda_backend = {
     .layout = cuda_layout,
     .dispatch = epx__cuda_dispatch,
     .combine = epx__cuda_combine,
+    .combine_input = cuda_combine_input,
     .poll_async_error = cuda_poll_async_error,
 };

@@ -4,9 +4,13 @@
  *
  * The pull reads each expert-output row straight from the rank that holds it, so that
  * row has to be in memory the peers have mapped:
- *   - x inside this rank's buffer (for example the dispatch recv_x view, overwritten
- *     in place with the expert outputs; a bf16 dispatch's view has exactly combine's
- *     shape): peers read it where it is. No copy at all.
+ *   - x inside this rank's buffer: the combine-input region (epx_get_combine_input,
+ *     for any dispatch dtype), or the dispatch recv_x view overwritten in place with
+ *     the expert outputs (a bf16 dispatch's view has exactly combine's shape). Peers
+ *     read it where it is: no copy at all. This rank publishes x's byte offset in its
+ *     allocation and its row stride (combine.cu); every rank's allocation has the same
+ *     layout and each peer adds the offset to its own mapping of this rank's, so any
+ *     16-byte aligned x inside the data regions works.
  *   - x anywhere else: one local copy into the receive region first (its dispatch
  *     views are no longer valid: this is a new operation), then the pull.
  * Top-k weights, when given, are copied into the combine-weights region (small).
@@ -55,8 +59,8 @@ static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t 
     if (first < base + (uintptr_t)cuda->shape.off_x || last > end)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "combine: x overlaps the buffer's memory but does not lie inside its "
-                         "data region; pass a view of the buffer (e.g. recv_x) or memory "
-                         "outside it");
+                         "data region; pass a view of the buffer (epx_get_combine_input, or "
+                         "recv_x) or memory outside it");
     if ((first - base) % 16 != 0 || pitch % 16 != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "combine: x lies in the buffer at byte offset %llu with row pitch %lld; "

@@ -6,10 +6,12 @@
  * once and each output byte written once.
  *
  * What the peers expose: their combine input x, somewhere in their shared allocation:
- * either the caller's x itself, when it lies in the buffer (computed in place into the
+ * either the caller's x itself, when it lies in the buffer (written into the
+ * combine-input region of epx_get_combine_input, or computed in place into the
  * dispatch receive view), or a copy the host side made into the receive region just
  * before this kernel. Each rank publishes (offset, row stride, rows) with its ready
- * flag. Top-k weights, when combined, were copied into the combine-weights region.
+ * flag; a reader adds the offset to its mapping of that rank's allocation. Top-k
+ * weights, when combined, were copied into the combine-weights region.
  *
  * Roles: a one-block ready kernel publishes this rank's input and waits for every
  * peer's (so at most one block per rank spins, whatever the SM budget). In the pull

@@ -7,8 +7,10 @@
  * in every peer's allocation):
  *   shared  one cudaMalloc, exported by CUDA IPC and mapped by every peer of the node:
  *           a control area the peers write into (flags, count rows, abort word), then
- *           the receive region (token rows, fp8 scales, top-k ids and weights) and the
- *           combine weights. Peers write into it (dispatch) and read from it (combine).
+ *           the receive region (token rows, fp8 scales, top-k ids and weights), the
+ *           combine weights and the combine-input region (bf16 rows the caller fills
+ *           with expert outputs, see epx_get_combine_input; no operation writes it).
+ *           Peers write into it (dispatch) and read from it (combine).
  *   local   device memory only this rank touches: the operation epoch, grid counters,
  *           the device error flag, receive offsets, the peers' mapped base addresses.
  *   mapped  host memory mapped into the device (cudaHostAllocMapped): what the host
@@ -141,6 +143,7 @@ typedef struct {
     int64_t off_topk_idx;      /* [max_recv][K] int64 */
     int64_t off_topk_weights;  /* [max_recv][K] fp32 */
     int64_t off_combine_weights; /* [max_recv][K] fp32: combine's topk_weights input */
+    int64_t off_combine_input; /* [max_recv] bf16 rows of hidden: epx_get_combine_input */
     int64_t shared_bytes;
     epx__cuda_local_t *local;
     epx__cuda_mapped_t *mapped;      /* device address of the mapped block */

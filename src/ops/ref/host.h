@@ -13,7 +13,8 @@
  *                 [N, hidden/128] fp32, topk idx [N, k] int64, weights [N, k] fp32,
  *                 source rank [N] and source token [N] int32
  *   staging       combine inputs that peers read from: x [N, hidden] bf16, weights
- *                 [N, k] fp32
+ *                 [N, k] fp32; the x rows are also the zero-copy combine input
+ *                 (epx_get_combine_input), which no dispatch writes
  *
  * Ordering: a call's first barrier means "every rank has entered this call", so the
  * previous call's results on every rank may be overwritten; its last barrier means
@@ -71,6 +72,7 @@ typedef struct {
     uint8_t *rank_hit;  /* [R] dispatch scratch */
     float *accumulator; /* [hidden] combine scratch */
     float *weight_sums; /* [num_topk] combine scratch */
+    struct epx__host_ll *ll; /* low-latency mode (host_ll.h); NULL when off */
 } epx__host_buffer_t;
 
 /* Offsets for a config; EPX_ERR_INVALID_ARG if the sizes overflow. */
@@ -105,5 +107,7 @@ epx_status_t epx__host_layout_op(epx_buffer_t buffer, const epx_layout_args_t *a
 epx_status_t epx__host_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                                 epx_dispatch_result_t *result, void *stream);
 epx_status_t epx__host_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
+/* The staging x rows of this rank: combine reads an x that is exactly this view in place. */
+epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *rows);
 
 #endif /* EPX_OPS_REF_HOST_H */

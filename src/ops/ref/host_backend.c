@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "ops/ref/host.h"
+#include "ops/ref/host_ll.h"
 
 /* Place an array of count * element bytes at the next 64-byte boundary. */
 static int epx__host_place(size_t *cursor, size_t *offset, int64_t count, size_t element)
@@ -69,6 +70,11 @@ static epx_status_t epx__host_buffer_size(epx_group_t group, const epx_buffer_co
     epx__host_layout_t layout;
     EPX_CHECK(epx__host_layout(group->world_size, config, &layout));
     *bytes = epx__shm_segment_bytes(layout.total);
+    if (config->max_low_latency_tokens > 0) {
+        epx__host_ll_layout_t ll_layout;
+        EPX_CHECK(epx__host_ll_layout(group->world_size, config, &ll_layout));
+        *bytes += epx__shm_segment_bytes(ll_layout.total);
+    }
     return EPX_SUCCESS;
 }
 
@@ -76,6 +82,7 @@ static void epx__host_free(epx__host_buffer_t *host)
 {
     if (host == NULL)
         return;
+    epx__host_ll_destroy(host->ll);
     epx__shm_destroy(host->shm);
     free(host->route);
     free(host->rank_hit);
@@ -113,6 +120,14 @@ static epx_status_t epx__host_buffer_create(epx_buffer_t buffer)
         epx__host_free(host);
         return status;
     }
+    /* Every rank has the same config (agreed before), so all take this collective step. */
+    if (config->max_low_latency_tokens > 0) {
+        status = epx__host_ll_create(buffer, &host->ll);
+        if (status != EPX_SUCCESS) {
+            epx__host_free(host);
+            return status;
+        }
+    }
     EPX_DEBUG(EPX_SUBSYS_OPS, "host buffer: %zu bytes per rank, %" PRId64 " rows", layout.total,
               layout.capacity);
     buffer->impl = host;
@@ -132,6 +147,8 @@ static void epx__host_abort(epx_buffer_t buffer, epx_status_t status, const char
     epx__host_buffer_t *host = buffer->impl;
     if (host != NULL)
         epx__shm_abort(host->shm, status, message);
+    if (host != NULL && host->ll != NULL)
+        epx__shm_abort(host->ll->shm, status, message);
 }
 
 static const char *epx__host_op_name(int32_t op)
@@ -191,4 +208,12 @@ const epx__backend_ops_t epx__host_backend = {
     .layout = epx__host_layout_op,
     .dispatch = epx__host_dispatch,
     .combine = epx__host_combine,
+    .combine_input = epx__host_combine_input,
+    .ll_dispatch = epx__host_ll_dispatch,
+    .ll_dispatch_receive = epx__host_ll_dispatch_receive,
+    .ll_combine = epx__host_ll_combine,
+    .ll_combine_receive = epx__host_ll_combine_receive,
+    .ll_combine_buffer = epx__host_ll_combine_buffer,
+    .ll_mask_rank = epx__host_ll_mask_rank,
+    .ll_get_masked = epx__host_ll_get_masked,
 };

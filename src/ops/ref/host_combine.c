@@ -4,7 +4,9 @@
  * 1. Each rank copies its expert outputs (rows in receive order) into its own staging
  *    region. Staging lets the home rank pull: it then reads every partial row of a
  *    token, sums them in rank order and writes the result once, so the sum is the same
- *    bits on every run (no race decides the order of additions).
+ *    bits on every run (no race decides the order of additions). The staging rows are
+ *    also the zero-copy combine input (epx_get_combine_input): when x is that view,
+ *    the rows are already in place and only the weights are copied.
  * 2. Barrier "data": every rank's staging rows are in place.
  * 3. Each rank reduces its own tokens from the peers' staging regions.
  * 4. Barrier "done": no rank rewrites its staging region (next combine) while a peer
@@ -16,15 +18,27 @@
 #include "ops/ref/bf16.h"
 #include "ops/ref/host.h"
 
+epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *rows)
+{
+    epx__host_buffer_t *host = buffer->impl;
+    *base = epx__host_region(host, buffer->group->rank, host->layout.stage_x);
+    *rows = host->layout.capacity;
+    return EPX_SUCCESS;
+}
+
 /* Copy the caller's combine inputs into this rank's staging region. */
 static void epx__combine_stage(epx__host_buffer_t *host, const epx_combine_args_t *args, int rank,
                                int64_t rows, int64_t hidden, int num_topk)
 {
     uint16_t *stage_x = epx__host_region(host, rank, host->layout.stage_x);
     int64_t x_stride = epx__tensor_row_stride(&args->x);
-    for (int64_t i = 0; i < rows; i++)
-        memcpy(stage_x + i * hidden, (const uint16_t *)args->x.data + i * x_stride,
-               (size_t)hidden * sizeof(uint16_t));
+    /* x is the combine-input view (rows already staged), or other memory: copied. Any
+     * other view into the staging region lies at or after its destination rows, so
+     * moving the rows in order reads each one before anything overwrites it. */
+    if (args->x.data != (void *)stage_x || x_stride != hidden)
+        for (int64_t i = 0; i < rows; i++)
+            memmove(stage_x + i * hidden, (const uint16_t *)args->x.data + i * x_stride,
+                    (size_t)hidden * sizeof(uint16_t));
     if (!epx__tensor_given(&args->topk_weights))
         return;
     float *stage_weights = epx__host_region(host, rank, host->layout.stage_weights);
