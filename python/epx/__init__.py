@@ -18,11 +18,12 @@ from .buffer import Buffer, Config, Handle
 from .errors import EpxError, Status
 from .events import EventOverlap
 from .group import Group, get_unique_id, launched
+from .low_latency import LowLatencyHandle
 
 __version__ = "0.1.0"
 
 __all__ = ["Buffer", "Config", "EpxError", "EventOverlap", "Group", "Handle",
-           "LibraryNotFoundError", "RawBits", "Status", "get_unique_id", "launched",
+           "LibraryNotFoundError", "LowLatencyHandle", "RawBits", "Status", "get_unique_id", "launched",
            "library_path", "library_version", "raw_bits"]
 
 

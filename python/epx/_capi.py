@@ -8,7 +8,7 @@ against the library at run time (a mismatch is rejected with EPX_ERR_INVALID_ARG
 
 import ctypes
 from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_int32,
-                    c_int64, c_size_t, c_uint32, c_void_p)
+                    c_int64, c_size_t, c_uint32, c_uint64, c_void_p)
 
 from . import _library
 
@@ -63,6 +63,7 @@ BACKEND_NAMES = {BACKEND_AUTO: "auto", BACKEND_HOST: "host", BACKEND_CUDA: "cuda
 MAX_DIMS = 3
 UNIQUE_ID_BYTES = 128
 DISPATCH_WORST_CASE = 0x1
+LL_SEND_ONLY = 0x1
 
 # ---------------------------------------------------------------- structs
 
@@ -209,6 +210,59 @@ class HandleInfo(Structure):
     ]
 
 
+class LLHandle(Structure):
+    """epx_ll_handle_t (a value: copied, never freed)"""
+    _fields_ = [("internal", c_uint64 * 4)]
+
+
+class LLDispatchArgs(Structure):
+    """epx_ll_dispatch_args_t"""
+    _fields_ = [
+        ("size", c_size_t),
+        ("x", Tensor),
+        ("topk_idx", Tensor),
+        ("use_fp8", c_int),
+        ("round_scale", c_int),
+        ("use_ue8m0", c_int),
+        ("flags", c_uint32),
+    ]
+
+
+class LLDispatchResult(Structure):
+    """epx_ll_dispatch_result_t"""
+    _fields_ = [
+        ("size", c_size_t),
+        ("recv_x", Tensor),
+        ("recv_x_scales", Tensor),
+        ("recv_count", Tensor),
+        ("recv_src_info", Tensor),
+        ("recv_layout_range", Tensor),
+        ("num_masked_entries", c_int64),
+        ("handle", LLHandle),
+    ]
+
+
+class LLCombineArgs(Structure):
+    """epx_ll_combine_args_t"""
+    _fields_ = [
+        ("size", c_size_t),
+        ("handle", LLHandle),
+        ("x", Tensor),
+        ("topk_idx", Tensor),
+        ("topk_weights", Tensor),
+        ("out", Tensor),
+        ("flags", c_uint32),
+    ]
+
+
+class LLCombineResult(Structure):
+    """epx_ll_combine_result_t"""
+    _fields_ = [
+        ("size", c_size_t),
+        ("num_masked_entries", c_int64),
+    ]
+
+
 # Every struct of epx.h with its C name (the layout test walks this table).
 STRUCTS = {
     "epx_tensor_t": Tensor,
@@ -222,6 +276,11 @@ STRUCTS = {
     "epx_dispatch_result_t": DispatchResult,
     "epx_combine_args_t": CombineArgs,
     "epx_handle_info_t": HandleInfo,
+    "epx_ll_handle_t": LLHandle,
+    "epx_ll_dispatch_args_t": LLDispatchArgs,
+    "epx_ll_dispatch_result_t": LLDispatchResult,
+    "epx_ll_combine_args_t": LLCombineArgs,
+    "epx_ll_combine_result_t": LLCombineResult,
 }
 
 
@@ -270,6 +329,15 @@ _PROTOTYPES = {
     "epx_get_combine_input": (c_int, [epx_buffer_p, epx_handle_p, POINTER(Tensor)]),
     "epx_handle_get_info": (c_int, [epx_handle_p, POINTER(HandleInfo)]),
     "epx_handle_destroy": (c_int, [epx_handle_p]),
+    "epx_ll_dispatch": (c_int, [epx_buffer_p, POINTER(LLDispatchArgs),
+                                POINTER(LLDispatchResult), c_void_p]),
+    "epx_ll_receive": (c_int, [epx_buffer_p, LLHandle, c_void_p]),
+    "epx_ll_combine": (c_int, [epx_buffer_p, POINTER(LLCombineArgs), POINTER(LLCombineResult),
+                               c_void_p]),
+    "epx_ll_get_combine_buffer": (c_int, [epx_buffer_p, LLHandle, POINTER(Tensor)]),
+    "epx_ll_mask_rank": (c_int, [epx_buffer_p, c_int]),
+    "epx_ll_get_masked": (c_int, [epx_buffer_p, POINTER(c_int32), c_int]),
+    "epx_ll_clean_buffer": (c_int, [epx_buffer_p, c_void_p]),
 }
 
 

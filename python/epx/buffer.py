@@ -1,6 +1,7 @@
 """Buffer: DeepEP's `deep_ep.Buffer`, in shape, over the epx C API.
 
-Methods, arguments and return values follow deep_ep.Buffer (normal mode), so an existing
+Methods, arguments and return values follow deep_ep.Buffer (normal mode here, low-latency
+mode in low_latency.py), so an existing
 integration can switch with small edits; docs/PYTHON.md lists the differences.
 """
 
@@ -11,9 +12,7 @@ from . import _capi, _dlpack, _frameworks, _tensor
 from .errors import EpxError, Status, check, invalid_argument
 from .events import EventOverlap
 from .group import Group
-
-_LOW_LATENCY = ("low-latency mode is not in the epx C API yet (include/epx.h has normal "
-                "mode only); use dispatch/combine, or DeepEP's low-latency kernels, until it lands")
+from .low_latency import LowLatencyMixin
 
 _DISPATCH_DTYPES = {"bf16": _capi.DTYPE_BF16, "bfloat16": _capi.DTYPE_BF16,
                     "fp8": _capi.DTYPE_FP8_E4M3, "fp8_e4m3": _capi.DTYPE_FP8_E4M3,
@@ -124,7 +123,7 @@ class _Call:
         self.problems.append(invalid_argument("%s: %s" % (self.op, message)))
 
 
-class Buffer:
+class Buffer(LowLatencyMixin):
     """Communication memory sized for one MoE shape, and the operations on it.
 
     Arguments (DeepEP's first, accepted for compatibility):
@@ -132,11 +131,15 @@ class Buffer:
             bootstrap), or None for the group `epx launch` set up (epx.Group.from_env()).
         num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, allow_nvlink_for_low_latency_mode,
         allow_mnnvl: ignored: epx sizes its memory from the MoE shape below.
-        low_latency_mode: must be False (not in the C API yet).
+        low_latency_mode: also reserve low-latency memory (low_latency_* methods); needs
+            num_max_dispatch_tokens_per_rank.
         explicitly_destroy: if True, you call destroy(); otherwise it also happens when the
             buffer is garbage collected.
     epx's own (keyword-only, required unless noted):
-        max_tokens_per_rank: the most tokens any rank passes to one dispatch.
+        max_tokens_per_rank: the most tokens any rank passes to one dispatch (normal
+            mode; defaults to num_max_dispatch_tokens_per_rank with low_latency_mode).
+        num_max_dispatch_tokens_per_rank: with low_latency_mode, the most tokens any rank
+            passes to one low_latency_dispatch (1..65536; config.max_low_latency_tokens).
         hidden, num_experts, num_topk: the MoE shape (every rank passes the same).
         dispatch_dtype: "bf16" (default; also carries fp8) or "fp8".
         num_sms: SMs per rank for the GPU kernels (default Buffer.num_sms; 0 = EPX_NUM_SMS).
@@ -150,11 +153,20 @@ class Buffer:
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
                  allow_mnnvl=False, explicitly_destroy=False, *, max_tokens_per_rank=None,
                  hidden=None, num_experts=None, num_topk=None, dispatch_dtype="bf16",
-                 num_sms=None, backend="auto", copy_outputs=False):
+                 num_sms=None, backend="auto", copy_outputs=False,
+                 num_max_dispatch_tokens_per_rank=None):
         self._ptr = None
         self._handles = weakref.WeakSet()
         if low_latency_mode:
-            raise NotImplementedError(_LOW_LATENCY)
+            if not num_max_dispatch_tokens_per_rank or int(num_max_dispatch_tokens_per_rank) <= 0:
+                raise invalid_argument(
+                    "Buffer: low_latency_mode needs num_max_dispatch_tokens_per_rank > 0 "
+                    "(the most tokens a rank passes to one low_latency_dispatch)")
+            if max_tokens_per_rank is None:
+                max_tokens_per_rank = num_max_dispatch_tokens_per_rank
+        elif num_max_dispatch_tokens_per_rank:
+            raise invalid_argument("Buffer: num_max_dispatch_tokens_per_rank is given but "
+                                   "low_latency_mode is False")
         missing = [name for name, value in (("max_tokens_per_rank", max_tokens_per_rank),
                                             ("hidden", hidden), ("num_experts", num_experts),
                                             ("num_topk", num_topk)) if value is None]
@@ -190,7 +202,10 @@ class Buffer:
         config.num_topk = int(num_topk)
         config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
         config.num_sms = int(Buffer.num_sms if num_sms is None else num_sms)
+        config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
         self._config = config
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_max_dispatch_tokens_per_rank = config.max_low_latency_tokens
         self.max_tokens_per_rank = config.max_tokens_per_rank
         self.hidden = config.hidden
         self.num_experts = config.num_experts
@@ -246,14 +261,16 @@ class Buffer:
 
     @staticmethod
     def buffer_size(group, max_tokens_per_rank, hidden, num_experts, num_topk,
-                    dispatch_dtype="bf16"):
-        """Bytes of communication memory per rank for this shape (nothing allocated)."""
+                    dispatch_dtype="bf16", num_max_dispatch_tokens_per_rank=0):
+        """Bytes of communication memory per rank for this shape (nothing allocated),
+        low-latency memory included when num_max_dispatch_tokens_per_rank > 0."""
         config = _capi.new(_capi.BufferConfig)
         config.max_tokens_per_rank = int(max_tokens_per_rank)
         config.hidden = int(hidden)
         config.num_experts = int(num_experts)
         config.num_topk = int(num_topk)
         config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
+        config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
         size = ctypes.c_size_t(0)
         check(_capi.api().epx_buffer_size(group.pointer, ctypes.byref(config),
                                           ctypes.byref(size)), "buffer_size")
@@ -576,23 +593,13 @@ class Buffer:
         event = self._end(call, async_finish, (x, topk_weights, out_x, out_weights))
         return out_x, out_weights, event
 
-    # ------------------------------------------------------------ low latency (not yet)
-
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY)
-
-    def low_latency_combine(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY)
-
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY)
-
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY)
+    # ------------------------------------------------------------ low latency (low_latency.py)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(*args, **kwargs):
-        raise NotImplementedError(_LOW_LATENCY)
+        raise NotImplementedError("get_low_latency_rdma_size_hint: epx sizes its memory from "
+                                  "the MoE shape; Buffer.buffer_size(group, ..., "
+                                  "num_max_dispatch_tokens_per_rank=M) gives the bytes per rank")
 
     def get_local_buffer_tensor(self, *args, **kwargs):
         raise NotImplementedError("get_local_buffer_tensor: epx does not expose its raw "

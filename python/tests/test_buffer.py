@@ -319,17 +319,6 @@ def test_raw_bits(group, make_buffer):
     assert buffer.get_combine_input(handle).dtype == np.uint16
 
 
-def test_low_latency_is_not_implemented(group, make_buffer):
-    buffer = make_buffer(Case(group.world_size))
-    for method in (buffer.low_latency_dispatch, buffer.low_latency_combine,
-                   buffer.clean_low_latency_buffer):
-        with pytest.raises(NotImplementedError, match="low-latency"):
-            method()
-    with pytest.raises(NotImplementedError, match="low-latency"):
-        epx.Buffer(group, low_latency_mode=True, max_tokens_per_rank=8, hidden=128,
-                   num_experts=8, num_topk=2)
-
-
 def test_buffer_from_env_owns_its_group(group):
     buffer = epx.Buffer(None, max_tokens_per_rank=8, hidden=128, num_experts=group.world_size * 2,
                         num_topk=2, backend=group.backend)

@@ -70,6 +70,13 @@ def test_size_fields_accepted_by_the_library():
     buffer.get_dispatch_layout(idx)
     recv, _, _, _, handle, _ = buffer.dispatch(epx.raw_bits(x), topk_idx=idx)
     buffer.combine(epx.raw_bits(recv), handle)
+    # epx_ll_dispatch_args_t, epx_ll_dispatch_result_t, epx_ll_combine_args_t and
+    # epx_ll_combine_result_t (epx_ll_handle_t travels inside them):
+    ll = epx.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=4,
+                    hidden=128, num_experts=2, num_topk=1)
+    recv, _, ll_handle, _, _ = ll.low_latency_dispatch(epx.raw_bits(x), idx, use_fp8=False)
+    ll.low_latency_combine(epx.raw_bits(recv), idx, np.ones((4, 1), np.float32), ll_handle)
+    ll.destroy()
     # And a wrong size is refused, so the checks above are real.
     bad = _capi.new(_capi.BufferConfig)
     bad.size += 8

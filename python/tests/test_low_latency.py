@@ -1,0 +1,416 @@
+"""Buffer's low-latency methods on every rank, checked against a NumPy model of
+docs/LOW_LATENCY.md ("Semantics"): rows per local expert ordered by source rank, then
+token; the fp8 cast per 128 channels; the combine's weighted sum in fp32 in top-k order.
+
+Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_low_latency.py`.
+Every test is collective: each rank runs the same calls and checks its own results.
+"""
+
+import numpy as np
+import pytest
+
+import epx
+from epx import Status
+from reference import BF16, FP8
+
+F32 = np.float32
+
+
+class LowLatencyCase:
+    """Seeded inputs of every rank, and what each rank must receive and combine."""
+
+    def __init__(self, world, max_tokens=8, hidden=512, experts_per_rank=3, num_topk=3, seed=1):
+        self.world = world
+        self.max_tokens = max_tokens
+        self.hidden = hidden
+        self.experts_per_rank = experts_per_rank
+        self.num_experts = experts_per_rank * world
+        self.num_topk = num_topk
+        self.seed = seed
+
+    def tokens_of(self, rank):
+        return self.max_tokens - rank % 3  # ranks send different counts, never above M
+
+    def inputs(self, rank):
+        """x [T, hidden] bf16, topk_idx [T, k] int64, topk_weights [T, k] fp32 of `rank`."""
+        rng = np.random.default_rng([self.seed, rank])
+        n, k = self.tokens_of(rank), self.num_topk
+        # Per-row magnitudes spread over decades, so the fp8 scales differ per group.
+        magnitude = 10.0 ** rng.uniform(-3, 2, (n, 1))
+        x = (rng.uniform(-1, 1, (n, self.hidden)) * magnitude).astype(F32).astype(BF16)
+        idx = np.empty((n, k), dtype=np.int64)
+        for t in range(n):
+            idx[t] = rng.choice(self.num_experts, k, replace=self.num_experts < k)
+        idx[rng.uniform(size=(n, k)) < 0.2] = -1
+        if n and k >= 2 and idx[0, 0] >= 0:
+            idx[0, 1] = idx[0, 0]  # an expert named twice: one row, two combine entries
+        weights = rng.uniform(0.01, 1.0, (n, k)).astype(F32)
+        return x, idx, weights
+
+    def home(self, expert):
+        return int(expert) // self.experts_per_rank
+
+    def dispatch(self, rank, masked=()):
+        """Per local expert: the list of (source rank, token); and layout_range [L, R]."""
+        rows = [[] for _ in range(self.experts_per_rank)]
+        layout = np.zeros((self.experts_per_rank, self.world), dtype=np.int64)
+        for local in range(self.experts_per_rank):
+            expert = rank * self.experts_per_rank + local
+            for s in range(self.world):
+                if s in masked:
+                    continue
+                _, idx, _ = self.inputs(s)
+                begin = len(rows[local])
+                rows[local] += [(s, t) for t in range(idx.shape[0]) if expert in set(idx[t])]
+                layout[local, s] = (begin << 32) | (len(rows[local]) - begin)
+        return rows, layout
+
+    def expert_output(self, rank, local, row):
+        """What expert `local` of `rank` returns for a received bf16 row (any shape)."""
+        return (row.astype(F32) * F32(0.5 * (local + 1)) + F32(rank)).astype(BF16)
+
+    def combine(self, rank, masked=()):
+        """combined_x [T, hidden] bf16 and the count of top-k entries that added nothing
+        because their expert's rank is masked."""
+        x, idx, weights = self.inputs(rank)
+        acc = np.zeros((x.shape[0], self.hidden), dtype=F32)
+        skipped = 0
+        for t in range(x.shape[0]):
+            for j in range(self.num_topk):
+                e = idx[t, j]
+                if e < 0:
+                    continue
+                if self.home(e) in masked:
+                    skipped += 1
+                    continue
+                y = self.expert_output(self.home(e), e % self.experts_per_rank, x[t])
+                acc[t] = acc[t] + weights[t, j] * y.astype(F32)  # fp32 product, then sum
+        return acc.astype(BF16), skipped
+
+
+def cast_fp8(x, round_scale):
+    """The library's cast (docs/LOW_LATENCY.md "fp8"): q fp8 [T, hidden], scales fp32
+    [T, hidden / 128], exponents int [T, hidden / 128] (round_scale only)."""
+    groups = x.astype(F32).reshape(x.shape[0], -1, 128)
+    amax = np.maximum(np.abs(groups).max(axis=2), F32(1e-4)).astype(F32)
+    if round_scale:
+        fraction, exponent = np.frexp((amax / F32(448)).astype(F32))
+        exponent = exponent - (fraction == 0.5)
+        scales = np.ldexp(F32(1), exponent).astype(F32)
+        multiplier = np.ldexp(F32(1), -exponent).astype(F32)
+    else:
+        exponent = None
+        scales = (amax / F32(448)).astype(F32)
+        multiplier = (F32(448) / amax).astype(F32)
+    q = (groups * multiplier[:, :, None]).astype(F32).astype(FP8).reshape(x.shape)
+    return q, scales, exponent
+
+
+def require_host(group):
+    if group.backend != "host":
+        pytest.skip("the CUDA backend has no low-latency kernels yet (EPX_ERR_UNSUPPORTED)")
+
+
+@pytest.fixture
+def ll_buffer(group):
+    made = []
+
+    def make(case, **kwargs):
+        require_host(group)
+        buffer = epx.Buffer(group, low_latency_mode=True,
+                            num_max_dispatch_tokens_per_rank=case.max_tokens, hidden=case.hidden,
+                            num_experts=case.num_experts, num_topk=case.num_topk, **kwargs)
+        made.append(buffer)
+        return buffer
+
+    yield make
+    for buffer in made:
+        buffer.destroy()
+
+
+def dispatch(buffer, tensors, case, rank, **kwargs):
+    x, idx, _ = case.inputs(rank)
+    kwargs.setdefault("use_fp8", False)
+    return buffer.low_latency_dispatch(tensors.put(x), tensors.put(idx), case.max_tokens,
+                                       case.num_experts, **kwargs)
+
+
+def check_layout(tensors, case, rank, recv_count, handle, masked=()):
+    """Counts, source info and layout_range; returns the expected rows."""
+    rows, layout = case.dispatch(rank, masked)
+    counts = tensors.get(recv_count)
+    assert counts.dtype == np.int32 and list(counts) == [len(r) for r in rows]
+    src_info = tensors.get(handle.src_info)
+    layout_range = tensors.get(handle.layout_range)
+    assert src_info.shape == (case.experts_per_rank, case.max_tokens * case.world)
+    for local, expected in enumerate(rows):
+        assert list(src_info[local, :len(expected)]) == [t for _, t in expected]
+        for s in range(case.world):
+            if s not in masked:
+                assert layout_range[local, s] == layout[local, s], (local, s)
+    assert handle.num_tokens == case.tokens_of(rank)
+    assert handle[2:] == (case.max_tokens, case.hidden, case.num_experts)
+    return rows
+
+
+def check_bf16_rows(tensors, case, recv_x, rows):
+    got = tensors.get(recv_x)
+    assert got.dtype == BF16
+    assert got.shape == (case.experts_per_rank, case.max_tokens * case.world, case.hidden)
+    for local, expected in enumerate(rows):
+        want = np.array([case.inputs(s)[0][t] for s, t in expected], dtype=BF16)
+        np.testing.assert_array_equal(got[local, :len(expected)].view(np.uint16),
+                                      want.reshape(-1, case.hidden).view(np.uint16))
+
+
+def expert_outputs(case, rank, recv_x, counts, into=None):
+    """The expert outputs for every received row, [L, M * R, hidden] bf16."""
+    out = np.zeros(recv_x.shape, dtype=BF16) if into is None else into
+    for local in range(case.experts_per_rank):
+        n = int(counts[local])
+        out[local, :n] = case.expert_output(rank, local, recv_x[local, :n])
+    return out
+
+
+def combine(buffer, tensors, case, rank, y, handle, **kwargs):
+    _, idx, weights = case.inputs(rank)
+    return buffer.low_latency_combine(tensors.put(y) if y is not None else None, tensors.put(idx),
+                                      tensors.put(weights), handle, **kwargs)
+
+
+def check_combined(tensors, case, rank, combined, masked=()):
+    want, _ = case.combine(rank, masked)
+    np.testing.assert_array_equal(tensors.get(combined).view(np.uint16), want.view(np.uint16))
+
+
+# ---------------------------------------------------------------- dispatch and combine
+
+
+def test_bf16_dispatch_and_combine(group, tensors1, ll_buffer):
+    case = LowLatencyCase(group.world_size, seed=3)
+    buffer = ll_buffer(case)
+    assert buffer.low_latency_mode and buffer.num_max_dispatch_tokens_per_rank == case.max_tokens
+    recv_x, recv_count, handle, event, hook = dispatch(buffer, tensors1, case, group.rank)
+    assert hook is None and isinstance(event, epx.EventOverlap)
+    assert isinstance(handle, epx.LowLatencyHandle) and handle.num_masked_entries == 0
+    rows = check_layout(tensors1, case, group.rank, recv_count, handle)
+    check_bf16_rows(tensors1, case, recv_x, rows)
+
+    y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+    combined, event, hook = combine(buffer, tensors1, case, group.rank, y, handle)
+    assert hook is None
+    check_combined(tensors1, case, group.rank, combined)
+    assert buffer.last_combine_masked_entries == 0
+
+    # out= is written in place; the same step may be combined again.
+    x, _, _ = case.inputs(group.rank)
+    out = tensors1.put(np.zeros_like(x))
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, y, handle, out=out)
+    assert combined is out
+    check_combined(tensors1, case, group.rank, out)
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_fp8_dispatch(group, tensors1, ll_buffer, round_scale, use_ue8m0):
+    case = LowLatencyCase(group.world_size, seed=5)
+    buffer = ll_buffer(case)
+    (recv_x, scales), recv_count, handle, _, _ = dispatch(
+        buffer, tensors1, case, group.rank, use_fp8=True, round_scale=round_scale,
+        use_ue8m0=use_ue8m0)
+    rows = check_layout(tensors1, case, group.rank, recv_count, handle)
+    got_x, got_scales = tensors1.get(recv_x), tensors1.get(scales)
+    assert got_x.dtype == FP8
+    groups = case.hidden // 128
+    if use_ue8m0:
+        assert got_scales.dtype == np.int32 and got_scales.shape[-1] == case.hidden // 512
+        # Exponent byte of channel group g in byte g % 4 of word g / 4 (little-endian).
+        exponent_bytes = got_scales.view(np.uint8).reshape(got_scales.shape[:2] + (groups,))
+    else:
+        assert got_scales.dtype == np.float32 and got_scales.shape[-1] == groups
+    for local, expected in enumerate(rows):
+        n = len(expected)
+        if not n:
+            continue
+        x = np.array([case.inputs(s)[0][t] for s, t in expected], dtype=BF16)
+        q, want_scales, exponent = cast_fp8(x, round_scale)
+        got_q = got_x[local, :n]
+        if use_ue8m0:
+            np.testing.assert_array_equal(exponent_bytes[local, :n], exponent + 127)
+            row_scales = np.ldexp(F32(1), exponent_bytes[local, :n].astype(np.int32) - 127)
+        else:
+            np.testing.assert_array_equal(got_scales[local, :n], want_scales)
+            row_scales = got_scales[local, :n]
+        # The dequantised values are x within e4m3's rounding: half a unit in the last of
+        # 3 mantissa bits (2^-4 relative), or half the smallest subnormal (2^-10 * scale).
+        dequantised = got_q.astype(F32).reshape(n, groups, 128) * row_scales[:, :, None]
+        x32 = x.astype(F32).reshape(n, groups, 128)
+        bound = np.abs(x32) * 2.0 ** -4 + row_scales[:, :, None] * 2.0 ** -10
+        assert np.all(np.abs(dequantised - x32) <= bound)
+        # And the bits are the cast of docs/LOW_LATENCY.md (round to nearest even).
+        np.testing.assert_array_equal(got_q.view(np.uint8), q.view(np.uint8))
+
+
+def test_recv_hook(group, tensors1, ll_buffer):
+    case = LowLatencyCase(group.world_size, seed=7)
+    buffer = ll_buffer(case)
+    recv_x, recv_count, handle, _, hook = dispatch(buffer, tensors1, case, group.rank,
+                                                   return_recv_hook=True)
+    assert callable(hook)
+    hook()  # the data is complete only now
+    rows = check_layout(tensors1, case, group.rank, recv_count, handle)
+    check_bf16_rows(tensors1, case, recv_x, rows)
+    with pytest.raises(epx.EpxError) as error:
+        hook()  # nothing pending any more
+    assert error.value.status == Status.ERR_INVALID_STATE
+
+    y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+    combined, _, hook = combine(buffer, tensors1, case, group.rank, y, handle,
+                                return_recv_hook=True)
+    hook()
+    check_combined(tensors1, case, group.rank, combined)
+
+
+def test_two_steps_alternate(group, tensors1, ll_buffer):
+    """Step 2's dispatch is sent before step 1's combine: the slots alternate."""
+    cases = [LowLatencyCase(group.world_size, seed=11), LowLatencyCase(group.world_size, seed=12)]
+    buffer = ll_buffer(cases[0])
+    for _ in range(2):  # twice round, so each slot is reused once
+        steps = [dispatch(buffer, tensors1, case, group.rank, return_recv_hook=True)
+                 for case in cases]
+        assert steps[0][2]._value.internal[1] != steps[1][2]._value.internal[1]
+        for step in steps:
+            step[4]()
+        outputs = []
+        for case, (recv_x, recv_count, handle, _, _) in zip(cases, steps):
+            rows = check_layout(tensors1, case, group.rank, recv_count, handle)
+            check_bf16_rows(tensors1, case, recv_x, rows)
+            y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+            outputs.append(combine(buffer, tensors1, case, group.rank, y, handle,
+                                   return_recv_hook=True))
+        for case, (combined, _, hook) in zip(cases, outputs):
+            hook()
+            check_combined(tensors1, case, group.rank, combined)
+
+
+def test_zero_copy_combine(group, tensors1, ll_buffer):
+    case = LowLatencyCase(group.world_size, seed=13)
+    buffer = ll_buffer(case)
+    recv_x, recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank)
+    view = buffer.get_next_low_latency_combine_buffer(handle)
+    got = tensors1.get(view)
+    assert got.dtype == BF16 and got.shape == tensors1.get(recv_x).shape
+    if tensors1.name != "numpy":
+        pytest.skip("writes through a NumPy view")
+    expert_outputs(case, group.rank, recv_x, recv_count, into=view)
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, view, handle, zero_copy=True)
+    check_combined(tensors1, case, group.rank, combined)
+    # zero_copy sends the buffer's memory whatever x is.
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, np.zeros((1, 1), BF16), handle,
+                             zero_copy=True)
+    check_combined(tensors1, case, group.rank, combined)
+
+
+# ---------------------------------------------------------------- masks
+
+
+def test_mask_rank(group, tensors1, ll_buffer):
+    if group.world_size < 2:
+        pytest.skip("masking needs a peer")
+    case = LowLatencyCase(group.world_size, seed=17)
+    buffer = ll_buffer(case)
+    victim = group.world_size - 1
+    masked = (victim,)
+    assert buffer.get_masked_ranks() == []
+    if group.rank == victim:
+        # The masked rank sits the step out (as a failed peer would); it cannot mask itself.
+        with pytest.raises(epx.EpxError) as error:
+            buffer.mask_rank(victim)
+        assert error.value.status == Status.ERR_INVALID_ARG
+        return
+    buffer.mask_rank(victim)
+    assert buffer.get_masked_ranks() == [victim]
+    status = np.full(group.world_size, 7, dtype=np.int32)
+    buffer.low_latency_query_mask_buffer(status)
+    assert list(status) == [int(r == victim) for r in range(group.world_size)]
+
+    recv_x, recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank)
+    _, idx, _ = case.inputs(group.rank)
+    pairs = sum(len({int(e) for e in row if e >= 0 and case.home(e) == victim}) for row in idx)
+    assert handle.num_masked_entries == pairs
+    rows = check_layout(tensors1, case, group.rank, recv_count, handle, masked)
+    check_bf16_rows(tensors1, case, recv_x, rows)
+    y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, y, handle)
+    check_combined(tensors1, case, group.rank, combined, masked)
+    assert buffer.last_combine_masked_entries == case.combine(group.rank, masked)[1]
+
+
+# ---------------------------------------------------------------- misuse
+
+
+def expect_state_error(call, *args, **kwargs):
+    with pytest.raises(epx.EpxError) as error:
+        call(*args, **kwargs)
+    assert error.value.status == Status.ERR_INVALID_STATE, error.value
+    return error.value
+
+
+def test_misuse_is_invalid_state(group, tensors1, ll_buffer):
+    case = LowLatencyCase(group.world_size, seed=19)
+    buffer = ll_buffer(case)
+    recv_x, recv_count, first, _, hook1 = dispatch(buffer, tensors1, case, group.rank,
+                                                   return_recv_hook=True)
+    y = np.zeros(tensors1.get(recv_x).shape, dtype=BF16)
+    # A combine before its dispatch was received.
+    expect_state_error(combine, buffer, tensors1, case, group.rank, y, first)
+    _, _, second, _, hook2 = dispatch(buffer, tensors1, case, group.rank, return_recv_hook=True)
+    # A third operation in flight, and cleaning with operations in flight.
+    expect_state_error(dispatch, buffer, tensors1, case, group.rank)
+    expect_state_error(buffer.clean_low_latency_buffer, case.max_tokens, case.hidden,
+                       case.num_experts)
+    hook1()
+    hook2()
+    # The refused calls had no effect: the first step still combines correctly.
+    y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, y, first)
+    check_combined(tensors1, case, group.rank, combined)
+    # A third dispatch reuses the first slot: the first handle is stale.
+    dispatch(buffer, tensors1, case, group.rank)
+    expect_state_error(combine, buffer, tensors1, case, group.rank, y, first)
+    expect_state_error(buffer.get_next_low_latency_combine_buffer, first)
+    # Cleaning forgets every step.
+    buffer.clean_low_latency_buffer()
+    expect_state_error(combine, buffer, tensors1, case, group.rank, y, second)
+
+
+def test_low_latency_needs_low_latency_mode(group, tensors1):
+    require_host(group)
+    case = LowLatencyCase(group.world_size)
+    with epx.Buffer(group, max_tokens_per_rank=case.max_tokens, hidden=case.hidden,
+                    num_experts=case.num_experts, num_topk=case.num_topk) as buffer:
+        error = expect_state_error(dispatch, buffer, tensors1, case, group.rank)
+        assert "max_low_latency_tokens" in error.message
+    with pytest.raises(epx.EpxError) as error:
+        epx.Buffer(group, low_latency_mode=True, hidden=case.hidden,
+                   num_experts=case.num_experts, num_topk=case.num_topk)
+    assert error.value.status == Status.ERR_INVALID_ARG
+
+
+def test_argument_errors_are_local(group, tensors1, ll_buffer):
+    """Python-side argument errors raise on every rank alike, before anything is sent."""
+    case = LowLatencyCase(group.world_size, seed=23)
+    buffer = ll_buffer(case)
+    x, idx, _ = case.inputs(group.rank)
+    with pytest.raises(epx.EpxError) as error:
+        buffer.low_latency_dispatch(tensors1.put(x), tensors1.put(idx), case.max_tokens + 1,
+                                    case.num_experts)
+    assert error.value.status == Status.ERR_INVALID_ARG
+    assert "num_max_dispatch_tokens_per_rank" in error.value.message
+    with pytest.raises(epx.EpxError) as error:
+        buffer.low_latency_combine(None, tensors1.put(idx), None, "not a handle")
+    assert error.value.status == Status.ERR_INVALID_ARG
+    with pytest.raises(NotImplementedError):
+        buffer.low_latency_combine(None, idx, None, None, use_logfmt=True)
+    # The buffer still works.
+    recv_x, recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank)
+    check_layout(tensors1, case, group.rank, recv_count, handle)
