@@ -173,6 +173,17 @@ static int run_child(int argc, char **argv, const char *variant)
         args.topk_idx = epx_tensor_2d(idx, EPX_DTYPE_INT64, in.num_tokens, c.num_topk);
         /* The peers gave up and left: this rank must learn it, not wait forever. */
         epx_status_t status = epx_dispatch(buffer, &args, &res, NULL);
+        if (status == EPX_SUCCESS && mr_mem_is_device()) {
+            /* The CUDA dispatch returns once the counts are in (they were: the peers had
+             * published theirs before giving up); the data kernel then sees the peers'
+             * abort words and stops, which surfaces as the async error. */
+            mr_mem_sync();
+            epx_status_t async = EPX_SUCCESS;
+            char message[512] = "";
+            CHECK_OK(epx_get_async_error(buffer, &async, message, sizeof message));
+            status = async;
+            rank_log(rank, "%s: late dispatch async error: %s", variant, message);
+        }
         double elapsed = mr_now_ms() - start;
         rank_log(rank, "%s: late dispatch returned after %.0f ms: %s", variant, elapsed,
                  epx_last_error());
