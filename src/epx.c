@@ -36,7 +36,7 @@ void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const
 }
 
 /* A collective operation failed on this rank: record it and tell the peers. */
-static epx_status_t fail_operation(epx_buffer_t buffer, epx_status_t status)
+epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status)
 {
     const char *message = epx_last_error();
     epx__buffer_set_async_error(buffer, status, message);
@@ -46,7 +46,7 @@ static epx_status_t fail_operation(epx_buffer_t buffer, epx_status_t status)
 }
 
 /* Refuse to run an operation on a buffer that already failed. */
-static epx_status_t check_usable(epx_buffer_t buffer, const char *op)
+epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op)
 {
     /* A failure seen only by the device (a peer's abort during an enqueued kernel) counts. */
     if (buffer->ops->poll_async_error != NULL)
@@ -216,7 +216,7 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_dispatch_layout: buffer is NULL");
-    EPX_CHECK(check_usable(buffer, "get_dispatch_layout"));
+    EPX_CHECK(epx__buffer_check_usable(buffer, "get_dispatch_layout"));
     /* Layout is local: a failure here does not involve (or poison) the peers. */
     EPX_CHECK(epx__validate_layout(buffer, args));
     if (buffer->group->backend == EPX_BACKEND_HOST)
@@ -231,7 +231,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "dispatch: buffer is NULL");
-    EPX_CHECK(check_usable(buffer, "dispatch"));
+    EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
     epx_status_t status = epx__validate_dispatch(buffer, args, result);
     if (status == EPX_SUCCESS && args->handle == NULL &&
         buffer->group->backend == EPX_BACKEND_HOST)
@@ -243,7 +243,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
     if (status == EPX_SUCCESS)
         status = buffer->ops->dispatch(buffer, args, &local, stream);
     if (status != EPX_SUCCESS)
-        return fail_operation(buffer, status);
+        return epx__buffer_fail(buffer, status);
     if (local.handle != NULL)
         local.handle->expert_alignment = args->handle != NULL ? args->handle->expert_alignment
                                                               : args->expert_alignment;
@@ -256,12 +256,12 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: buffer is NULL");
-    EPX_CHECK(check_usable(buffer, "combine"));
+    EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
     epx_status_t status = epx__validate_combine(buffer, args);
     if (status == EPX_SUCCESS)
         status = buffer->ops->combine(buffer, args, stream);
     if (status != EPX_SUCCESS)
-        return fail_operation(buffer, status);
+        return epx__buffer_fail(buffer, status);
     return EPX_SUCCESS;
 }
 
@@ -276,7 +276,7 @@ epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: x is NULL");
     if (handle->buffer != buffer)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle was made by another buffer");
-    EPX_CHECK(check_usable(buffer, "get_combine_input"));
+    EPX_CHECK(epx__buffer_check_usable(buffer, "get_combine_input"));
     if (buffer->ops->combine_input == NULL)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED, "get_combine_input: not supported by the %s backend",
                          buffer->ops->name);

@@ -14,18 +14,6 @@
 #include "internal.h"
 #include "validate.h"
 
-static epx_status_t ll_check_usable(epx_buffer_t buffer, const char *op)
-{
-    if (buffer->ops->poll_async_error != NULL)
-        buffer->ops->poll_async_error(buffer);
-    int error = atomic_load(&buffer->async_error);
-    if (error == EPX_SUCCESS)
-        return EPX_SUCCESS;
-    return EPX_ERROR((epx_status_t)error,
-                     "%s: the buffer failed earlier and cannot be used (destroy it): %s", op,
-                     buffer->async_message);
-}
-
 static epx_status_t ll_check_backend(epx_buffer_t buffer, const char *op, const void *entry)
 {
     if (entry == NULL)
@@ -41,11 +29,7 @@ static epx_status_t ll_fail(epx_buffer_t buffer, int slot, epx_status_t status)
     buffer->ll.slots[slot].state = EPX__LL_FREE;
     if (status == EPX_ERR_TIMEOUT || status == EPX_ERR_REMOTE)
         return status;
-    const char *message = epx_last_error();
-    epx__buffer_set_async_error(buffer, status, message);
-    if (buffer->ops->abort != NULL)
-        buffer->ops->abort(buffer, status, message);
-    return status;
+    return epx__buffer_fail(buffer, status);
 }
 
 static const char *ll_state_name(epx__ll_slot_state_t state)
@@ -103,7 +87,7 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
-    EPX_CHECK(ll_check_usable(buffer, op));
+    EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_dispatch(buffer, args, result));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_dispatch));
     if (buffer->group->backend == EPX_BACKEND_HOST)
@@ -143,7 +127,7 @@ epx_status_t epx_ll_receive(epx_buffer_t buffer, epx_ll_handle_t handle, void *s
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
-    EPX_CHECK(ll_check_usable(buffer, op));
+    EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     int slot = 0;
     EPX_CHECK(ll_resolve(buffer, handle, op, &slot));
@@ -175,7 +159,7 @@ epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *ar
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
-    EPX_CHECK(ll_check_usable(buffer, op));
+    EPX_CHECK(epx__buffer_check_usable(buffer, op));
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
     if (args->size != sizeof(epx_ll_combine_args_t))
@@ -226,7 +210,7 @@ epx_status_t epx_ll_get_combine_buffer(epx_buffer_t buffer, epx_ll_handle_t hand
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
     if (x == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: x is NULL", op);
-    EPX_CHECK(ll_check_usable(buffer, op));
+    EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_combine_buffer));
     int slot = 0;

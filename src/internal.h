@@ -156,6 +156,14 @@ extern const epx__backend_ops_t epx__cuda_backend;
 int epx__cuda_device_count(void);
 #endif
 
+/*
+ * A buffer operation's bookkeeping, shared by the normal and low-latency entry points:
+ * refuse to run on a buffer that already failed (a device-side failure counts), and
+ * record this rank's failure inside a collective and tell the peers (returns `status`).
+ */
+epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op);
+epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
+
 /* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
 void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
 

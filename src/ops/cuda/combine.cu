@@ -167,13 +167,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
     if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        epx_st_release_sys(&epx_slot(s, r, me)->done_flag, seq);
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        epx_wait_flag(s, &epx_slot(s, me, r)->done_flag, seq, EPX_CUDA_STAGE_COMBINE_DONE, r);
-    __syncthreads();
-    if (threadIdx.x == 0)
-        *reinterpret_cast<volatile uint64_t *>(&s.local->epoch) = seq;
+    epx_finish_exchange(s, offsetof(epx__cuda_slot_t, done_flag), seq, EPX_CUDA_STAGE_COMBINE_DONE);
 }
 
 extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest_row[EPX_DISPATCH_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
-    const int R = s.world_size, L = s.num_local_experts, K = s.num_topk, me = s.rank;
+    const int R = s.world_size, L = s.num_local_experts, K = s.num_topk;
     const uint64_t seq = epx_op_seq(s);
     /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
     if (epx_failed(s))
@@ -134,13 +134,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
     if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        epx_st_release_sys(&epx_slot(s, r, me)->data_flag, seq);
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        epx_wait_flag(s, &epx_slot(s, me, r)->data_flag, seq, EPX_CUDA_STAGE_DISPATCH, r);
-    __syncthreads();
-    if (threadIdx.x == 0)
-        *reinterpret_cast<volatile uint64_t *>(&s.local->epoch) = seq;
+    epx_finish_exchange(s, offsetof(epx__cuda_slot_t, data_flag), seq, EPX_CUDA_STAGE_DISPATCH);
 }
 
 extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,

@@ -185,4 +185,28 @@ __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
     return *flag;
 }
 
+/* The flag at `flag_offset` (offsetof(epx__cuda_slot_t, ...)) of a slot. */
+__device__ __forceinline__ uint64_t *epx_slot_flag(epx__cuda_slot_t *slot, size_t flag_offset)
+{
+    return reinterpret_cast<uint64_t *>(reinterpret_cast<char *>(slot) + flag_offset);
+}
+
+/*
+ * The tail of a data kernel, run by its last block (epx_last_block): raise this rank's
+ * flag for operation `seq` at every peer (release), wait for every peer's (acquire, with
+ * the timeout, failures recorded under `stage`), then mark the operation finished here.
+ */
+__device__ __forceinline__ void epx_finish_exchange(const epx__cuda_shape_t &s,
+                                                    size_t flag_offset, uint64_t seq, int stage)
+{
+    const int R = s.world_size, me = s.rank;
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_st_release_sys(epx_slot_flag(epx_slot(s, r, me), flag_offset), seq);
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        epx_wait_flag(s, epx_slot_flag(epx_slot(s, me, r), flag_offset), seq, stage, r);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *reinterpret_cast<volatile uint64_t *>(&s.local->epoch) = seq;
+}
+
 #endif /* EPX_OPS_CUDA_SIGNAL_CUH */

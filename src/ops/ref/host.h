@@ -80,6 +80,12 @@ epx_status_t epx__host_layout(int world_size, const epx_buffer_config_t *config,
                               epx__host_layout_t *layout);
 
 /* Address of the array at `offset` in `rank`'s data area. */
+/* The low-latency state of a host buffer (NULL when the mode is off). */
+static inline struct epx__host_ll *epx__host_ll_of(epx_buffer_t buffer)
+{
+    return ((epx__host_buffer_t *)buffer->impl)->ll;
+}
+
 static inline void *epx__host_region(const epx__host_buffer_t *host, int rank, size_t offset)
 {
     return (char *)epx__shm_peer(host->shm, rank) + offset;

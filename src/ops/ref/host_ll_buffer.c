@@ -145,11 +145,6 @@ epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind
     return status;
 }
 
-static epx__host_ll_t *epx__host_ll_of(epx_buffer_t buffer)
-{
-    return ((epx__host_buffer_t *)buffer->impl)->ll;
-}
-
 epx_status_t epx__host_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base)
 {
     epx__host_ll_t *ll = epx__host_ll_of(buffer);

@@ -15,16 +15,11 @@
 #include "ops/ref/host.h"
 #include "ops/ref/host_ll.h"
 
-static epx__host_ll_t *epx__ll_of(epx_buffer_t buffer)
-{
-    return ((epx__host_buffer_t *)buffer->impl)->ll;
-}
-
 epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
                                   void *stream)
 {
     (void)stream;
-    epx__host_ll_t *ll = epx__ll_of(buffer);
+    epx__host_ll_t *ll = epx__host_ll_of(buffer);
     const epx__host_ll_layout_t *l = &ll->layout;
     epx__host_ll_slot_t *s = &ll->slots[slot];
     int world = buffer->group->world_size, me = buffer->group->rank;
@@ -68,7 +63,7 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
                                           epx_ll_combine_result_t *result, void *stream)
 {
     (void)stream;
-    epx__host_ll_t *ll = epx__ll_of(buffer);
+    epx__host_ll_t *ll = epx__host_ll_of(buffer);
     const epx__host_ll_layout_t *l = &ll->layout;
     epx__host_ll_slot_t *s = &ll->slots[slot];
     int world = buffer->group->world_size, me = buffer->group->rank;

@@ -17,11 +17,6 @@
 #include "ops/ref/host.h"
 #include "ops/ref/host_ll.h"
 
-static epx__host_ll_t *epx__ll_of(epx_buffer_t buffer)
-{
-    return ((epx__host_buffer_t *)buffer->impl)->ll;
-}
-
 /* The result views of a slot (contents valid after the receive). */
 static void epx__ll_dispatch_views(epx_buffer_t buffer, epx__host_ll_t *ll, int slot,
                                    const epx_ll_dispatch_args_t *args,
@@ -66,7 +61,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
                                    epx_ll_dispatch_result_t *result, void *stream)
 {
     (void)stream;
-    epx__host_ll_t *ll = epx__ll_of(buffer);
+    epx__host_ll_t *ll = epx__host_ll_of(buffer);
     const epx__host_ll_layout_t *l = &ll->layout;
     epx__host_ll_slot_t *s = &ll->slots[slot];
     int world = buffer->group->world_size, me = buffer->group->rank;
@@ -138,7 +133,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
 epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *stream)
 {
     (void)stream;
-    epx__host_ll_t *ll = epx__ll_of(buffer);
+    epx__host_ll_t *ll = epx__host_ll_of(buffer);
     const epx__host_ll_layout_t *l = &ll->layout;
     epx__host_ll_slot_t *s = &ll->slots[slot];
     int world = buffer->group->world_size, me = buffer->group->rank;
