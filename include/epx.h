@@ -209,7 +209,9 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
 /*
  * The first asynchronous failure seen by the buffer's operations (device-side timeout,
  * a peer that failed), EPX_SUCCESS if none. `message` (may be NULL) receives text that
- * names the rank and the stage.
+ * names the rank and the stage. A low-latency wait on the GPU that gave up on a peer is
+ * reported here too (the peer is then masked, see epx_ll_get_masked); unlike the other
+ * failures it leaves the buffer usable.
  */
 epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char *message,
                                  size_t message_size);

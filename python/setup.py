@@ -45,8 +45,12 @@ def _build_library(build_temp):
     found = sorted(glob.glob(os.path.join(build_dir, "libepx.so*")))
     if not found:
         raise RuntimeError("epx: the CMake build produced no libepx.so in %s" % build_dir)
+    # The NVSHMEM plugin (low-latency mode on GPUs) exists when CMake found NVSHMEM.
+    plugin = None
+    if subprocess.call([cmake, "--build", build_dir, "--target", "epx_nvshmem", "-j", jobs]) == 0:
+        plugin = os.path.join(build_dir, "libepx_nvshmem.so")
     # The real file (libepx.so.X.Y.Z), bundled under the name the loader looks for.
-    return os.path.realpath(found[0])
+    return os.path.realpath(found[0]), plugin
 
 
 class BuildWithLibrary(build_py):
@@ -55,10 +59,13 @@ class BuildWithLibrary(build_py):
         if os.environ.get("EPX_SKIP_BUILD") == "1":
             return
         build_temp = os.path.join(HERE, "build", "cmake")
-        library = _build_library(build_temp)
+        library, plugin = _build_library(build_temp)
         target_dir = os.path.join(self.build_lib, "epx", "_lib")
         os.makedirs(target_dir, exist_ok=True)
         shutil.copyfile(library, os.path.join(target_dir, "libepx.so"))
+        # libepx looks for its NVSHMEM plugin beside itself (it keeps NVSHMEM's path).
+        if plugin and os.path.exists(plugin):
+            shutil.copyfile(plugin, os.path.join(target_dir, "libepx_nvshmem.so"))
 
 
 class BinaryDistribution(Distribution):

@@ -204,9 +204,14 @@ epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char 
     if (buffer->ops->poll_async_error != NULL)
         buffer->ops->poll_async_error(buffer);
     int value = atomic_load(&buffer->async_error);
+    const char *text = buffer->async_message;
+    if (value == EPX_SUCCESS) {
+        value = atomic_load(&buffer->ll_peer_error);
+        text = buffer->ll_peer_message;
+    }
     *error = (epx_status_t)value;
     if (message != NULL && message_size > 0)
-        snprintf(message, message_size, "%s", value == EPX_SUCCESS ? "" : buffer->async_message);
+        snprintf(message, message_size, "%s", value == EPX_SUCCESS ? "" : text);
     return EPX_SUCCESS;
 }
 

@@ -61,6 +61,10 @@ struct epx_buffer {
     _Atomic int async_error;
     char async_message[512];
     epx__ll_state_t ll; /* low-latency mode (config.max_low_latency_tokens > 0) */
+    /* A low-latency peer failure seen asynchronously (GPU): the peer is masked and the
+     * buffer stays usable; epx_get_async_error reports it when nothing worse happened. */
+    _Atomic int ll_peer_error;
+    char ll_peer_message[512];
 };
 
 /*

@@ -4,14 +4,15 @@ set(EPX_TOOLS_TEST_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/tools/tools_test.sh)
 set(EPX_TOOLS_TEST_CASES
     launch_env launch_output launch_failure launch_exec_failure launch_timeout
     launch_forward_signal launch_bad_flag launch_mps params_list params_bad_value version
-    bench_bad_flag bench_check bench_json)
+    bench_bad_flag bench_check bench_json bench_ll_check bench_ll_json)
 foreach(case ${EPX_TOOLS_TEST_CASES})
   add_test(NAME tools.${case} COMMAND sh ${EPX_TOOLS_TEST_SCRIPT} $<TARGET_FILE:epx_tool> ${case})
   set_tests_properties(tools.${case} PROPERTIES TIMEOUT 120)
 endforeach()
 
 add_executable(test_bench_helpers ${CMAKE_CURRENT_LIST_DIR}/tools/test_bench_helpers.c
-               ${CMAKE_SOURCE_DIR}/tools/bench_check.c ${CMAKE_SOURCE_DIR}/tools/bench_report.c)
+               ${CMAKE_SOURCE_DIR}/tools/bench_check.c ${CMAKE_SOURCE_DIR}/tools/bench_report.c
+               ${CMAKE_SOURCE_DIR}/tools/bench_ll_report.c)
 target_include_directories(test_bench_helpers PRIVATE ${CMAKE_SOURCE_DIR}/tools)
 target_link_libraries(test_bench_helpers PRIVATE epx_internal epx_test_common m)
 add_test(NAME tools.bench_helpers COMMAND test_bench_helpers)

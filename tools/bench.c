@@ -3,7 +3,8 @@
  * combine-input view, and from a separate tensor), in the
  * manner of nccl-tests: the same flags for every op, inputs drawn from a seed, an
  * optional exact check against the oracle, and a table (or JSON lines) of the median
- * and p99 times with the metrics DeepEP reports.
+ * and p99 times with the metrics DeepEP reports. `--mode ll` runs the low-latency ops
+ * instead (bench_ll.c), with the same flags and output style.
  *
  * With -n N outside a launch, the bench re-runs itself under `epx launch`, so that
  * `epx bench -n 8 --check` is all a user types.
@@ -30,18 +31,24 @@ static const char bench_usage[] =
     "Time (and with --check verify) layout, dispatch, cached dispatch and combine:\n"
     "combine with x in the buffer's combine-input view (zero-copy, op \"combine\") and\n"
     "with x in a separate tensor (copied into the buffer first, op \"combine_copy\").\n"
+    "With --mode ll, the low-latency ops instead: epx_ll_dispatch and epx_ll_combine\n"
+    "(x in the zero-copy buffer), each in one call and split into its EPX_LL_SEND_ONLY\n"
+    "send and its epx_ll_receive (ops dispatch_send, dispatch_recv, ...).\n"
     "Run inside `epx launch`, or give -n N to have it launch itself.\n"
     "\n"
-    "options (defaults: the standard normal-mode case of DESIGN.md):\n"
-    "  --tokens N        tokens per rank (4096)\n"
+    "options (defaults: the standard case of DESIGN.md for the mode):\n"
+    "  --mode M          normal or ll (normal)\n"
+    "  --tokens N        tokens per rank (normal 4096; ll 128, also max_low_latency_tokens)\n"
     "  --hidden N        elements per token (7168)\n"
     "  --experts N       experts over all ranks (256)\n"
     "  --topk N          experts per token (8)\n"
-    "  --dtype D         bf16, fp8 or all (all)\n"
-    "  --warmup N        untimed iterations (host backend 1, cuda 5)\n"
-    "  --iters N         timed iterations (host backend 3, cuda 30)\n"
+    "  --dtype D         dispatch dtype: bf16, fp8 or all (normal all; ll fp8)\n"
+    "  --round-scale     ll, fp8: power-of-two scales\n"
+    "  --ue8m0           ll, fp8: scales as packed UE8M0 exponents (implies --round-scale)\n"
+    "  --warmup N        untimed iterations (normal: host 1, cuda 5; ll: host 2, cuda 10)\n"
+    "  --iters N         timed iterations (normal: host 3, cuda 30; ll: host 20, cuda 100)\n"
     "  --seed N          input seed (1)\n"
-    "  --alignment N     per-expert count alignment (1)\n"
+    "  --alignment N     per-expert count alignment, normal mode (1)\n"
     "  --sms N           SMs per rank for GPU kernels (0 = EPX_NUM_SMS)\n"
     "  --backend B       auto, host or cuda (auto)\n"
     "  --check           compare every result with the oracle; exit 1 on a mismatch\n"
@@ -73,6 +80,32 @@ static int usage_error(const char *flag, const char *value)
 }
 
 /*
+ * What was left to the mode (tokens 0, dtypes -1) gets the mode's standard case; flags
+ * that only one mode understands are refused in the other. Returns -1 or 2, as
+ * parse_options.
+ */
+static int apply_mode_defaults(epx__bench_options_t *o)
+{
+    int ll = o->mode == EPX__BENCH_MODE_LL;
+    if (o->tokens == 0)
+        o->tokens = ll ? 128 : 4096;
+    if (o->run_bf16 < 0) {
+        o->run_bf16 = !ll;
+        o->run_fp8 = 1;
+    }
+    if (o->round_scale && !ll) {
+        fprintf(stderr, "epx bench: --round-scale and --ue8m0 need --mode ll\n\n%s", bench_usage);
+        return 2;
+    }
+    if (o->round_scale && !o->run_fp8) {
+        fprintf(stderr, "epx bench: --round-scale and --ue8m0 apply to fp8 dispatch, which "
+                        "--dtype bf16 leaves out\n");
+        return 2;
+    }
+    return -1;
+}
+
+/*
  * Parse the flags. `launch_only[i]` marks the arguments that belong to the launch
  * that -n starts (dropped from the re-run's command line). Returns -1 to go on, else
  * the exit status (0 after --help, 2 for a bad flag).
@@ -95,6 +128,15 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         }
         if (strcmp(arg, "--json") == 0) {
             o->json = 1;
+            continue;
+        }
+        if (strcmp(arg, "--round-scale") == 0) {
+            o->round_scale = 1;
+            continue;
+        }
+        if (strcmp(arg, "--ue8m0") == 0) {
+            o->use_ue8m0 = 1;
+            o->round_scale = 1; /* UE8M0 holds powers of two only */
             continue;
         }
         if (strcmp(arg, "--mps") == 0) {
@@ -139,7 +181,16 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         if (handled)
             continue;
         int matched;
-        if ((matched = epx__match_value(argc, argv, &i, "--dtype", &value)) != 0) {
+        if ((matched = epx__match_value(argc, argv, &i, "--mode", &value)) != 0) {
+            if (matched < 0)
+                return usage_error("--mode", NULL);
+            if (strcmp(value, "normal") == 0)
+                o->mode = EPX__BENCH_MODE_NORMAL;
+            else if (strcmp(value, "ll") == 0)
+                o->mode = EPX__BENCH_MODE_LL;
+            else
+                return usage_error("--mode", value);
+        } else if ((matched = epx__match_value(argc, argv, &i, "--dtype", &value)) != 0) {
             if (matched < 0)
                 return usage_error("--dtype", NULL);
             o->run_bf16 = strcmp(value, "bf16") == 0 || strcmp(value, "all") == 0;
@@ -170,7 +221,7 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         }
     }
     o->seed = (uint64_t)seed; /* parsed as int64_t with the other integers */
-    return -1;
+    return apply_mode_defaults(o);
 }
 
 /* `epx launch -n N -- <this executable> bench <the same flags without -n>`. */
@@ -229,6 +280,28 @@ static void choose_floor(const epx__bench_options_t *o, const epx_group_info_t *
     }
 }
 
+/* Every normal-mode case asked for; rank 0 prints. Returns 1 when a check failed. */
+static int run_normal(epx_group_t group, const epx__bench_options_t *o,
+                      epx__bench_device_t *device, const epx__bench_context_t *context, int rank)
+{
+    if (rank == 0 && !o->json)
+        epx__bench_print_header(stdout, context);
+    int failed = 0;
+    const epx_dtype_t dtypes[] = {EPX_DTYPE_BF16, EPX_DTYPE_FP8_E4M3};
+    for (int d = 0; d < 2; d++) {
+        if ((d == 0 && !o->run_bf16) || (d == 1 && !o->run_fp8))
+            continue;
+        epx__bench_row_t rows[EPX__BENCH_OP_COUNT];
+        failed |= epx__bench_run_case(group, o, device, dtypes[d], context->warmup,
+                                      context->iters, rows);
+        if (rank == 0) {
+            for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+                epx__bench_print_row(stdout, context, &rows[op], o->json);
+        }
+    }
+    return failed;
+}
+
 static int run(const epx__bench_options_t *o)
 {
     epx_group_t group = NULL;
@@ -236,8 +309,10 @@ static int run(const epx__bench_options_t *o)
     epx_group_info_t info;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     int cuda = info.backend == EPX_BACKEND_CUDA;
-    int warmup = o->warmup >= 0 ? o->warmup : (cuda ? 5 : 1);
-    int iters = o->iters >= 0 ? o->iters : (cuda ? 30 : 3);
+    int ll = o->mode == EPX__BENCH_MODE_LL;
+    /* Low-latency ops take microseconds (milliseconds on the host), so more runs. */
+    int warmup = o->warmup >= 0 ? o->warmup : ll ? (cuda ? 10 : 2) : (cuda ? 5 : 1);
+    int iters = o->iters >= 0 ? o->iters : ll ? (cuda ? 100 : 20) : (cuda ? 30 : 3);
 
     epx__bench_device_t device;
     epx__bench_must(info.rank, epx__bench_device_init(&device, info.backend, info.device),
@@ -257,21 +332,9 @@ static int run(const epx__bench_options_t *o)
     context.warmup = warmup;
     context.iters = iters;
     choose_floor(o, &info, &context);
-    if (info.rank == 0 && !o->json)
-        epx__bench_print_header(stdout, &context);
 
-    int failed = 0;
-    const epx_dtype_t dtypes[] = {EPX_DTYPE_BF16, EPX_DTYPE_FP8_E4M3};
-    for (int d = 0; d < 2; d++) {
-        if ((d == 0 && !o->run_bf16) || (d == 1 && !o->run_fp8))
-            continue;
-        epx__bench_row_t rows[EPX__BENCH_OP_COUNT];
-        failed |= epx__bench_run_case(group, o, &device, dtypes[d], warmup, iters, rows);
-        if (info.rank == 0) {
-            for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
-                epx__bench_print_row(stdout, &context, &rows[op], o->json);
-        }
-    }
+    int failed = ll ? epx__bench_ll_run(group, o, &device, &context)
+                    : run_normal(group, o, &device, &context, info.rank);
     epx__bench_device_fini(&device);
     epx__bench_must(info.rank, epx_group_destroy(group), "epx_group_destroy");
     if (failed && info.rank == 0)
@@ -281,11 +344,13 @@ static int run(const epx__bench_options_t *o)
 
 int epx__command_bench(int argc, char **argv)
 {
+    /* tokens 0 and dtypes -1: the chosen mode's standard case (apply_mode_defaults). */
     epx__bench_options_t options = {
-        .tokens = 4096, .hidden = 7168, .experts = 256, .topk = 8, .run_bf16 = 1,
-        .run_fp8 = 1, .warmup = -1, .iters = -1, .seed = 1, .alignment = 1, .sms = 0,
-        .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0, .floor_bw_gbps = 0,
-        .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
+        .mode = EPX__BENCH_MODE_NORMAL, .tokens = 0, .hidden = 7168, .experts = 256,
+        .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .seed = 1,
+        .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
+        .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
+        .round_scale = 0, .use_ue8m0 = 0,
     };
     char *launch_only = calloc((size_t)argc + 1, 1);
     if (launch_only == NULL) {

@@ -1,18 +1,26 @@
 /*
- * `epx bench`, shared between its files: the options, the per-dtype case runner
- * (bench_case.c) and the checks against the oracle (bench_check.c).
+ * `epx bench`, shared between its files: the options, the per-dtype case runner of the
+ * normal mode (bench_case.c), the low-latency mode (bench_ll.c) and the checks against
+ * the oracle (bench_check.c).
  */
 #ifndef EPX_TOOLS_BENCH_H
 #define EPX_TOOLS_BENCH_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "bench_memory.h"
 #include "bench_report.h"
 #include "epx.h"
 
+typedef enum {
+    EPX__BENCH_MODE_NORMAL = 0, /* layout, dispatch, cached dispatch, combine (bench_case.c) */
+    EPX__BENCH_MODE_LL = 1,     /* low-latency dispatch and combine (bench_ll.c) */
+} epx__bench_mode_t;
+
 typedef struct {
-    int64_t tokens;
+    epx__bench_mode_t mode;
+    int64_t tokens; /* ll: also the buffer's max_low_latency_tokens */
     int64_t hidden;
     int experts;
     int topk;
@@ -30,6 +38,8 @@ typedef struct {
     int num_ranks;        /* -n; 0 = not given */
     double timeout_s;     /* for the launch that -n starts */
     int use_mps;          /* the launch that -n starts runs a CUDA MPS daemon */
+    int round_scale;      /* ll, fp8: power-of-two scales */
+    int use_ue8m0;        /* ll, fp8: scales as packed UE8M0 exponents (implies round_scale) */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */
@@ -44,6 +54,20 @@ void epx__bench_must(int rank, epx_status_t status, const char *what);
 int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device, epx_dtype_t dtype, int warmup, int iters,
                         epx__bench_row_t rows[EPX__BENCH_OP_COUNT]);
+
+/*
+ * The low-latency mode (bench_ll.c): for each dispatch dtype asked for, run the ops once
+ * (checked with --check), time them, and print the rows on rank 0. `context` holds the
+ * run's settings and the floor bandwidth chosen by bench.c. Returns 1 when some rank's
+ * check failed, else 0; an epx call that fails ends the process (status 1).
+ */
+int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
+                      epx__bench_device_t *device, const epx__bench_context_t *context);
+
+/* Every rank's `bytes` at `mine` into `all` (rank order) through the group's rendezvous
+ * channel: small, off the timed path. Ends the process on failure. */
+void epx__bench_allgather(epx_group_t group, const void *mine, void *all, size_t bytes,
+                          const char *what);
 
 /*
  * Compare `rows` x `cols` elements of `dtype` exactly (bitwise). On the first

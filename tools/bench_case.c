@@ -360,17 +360,22 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
         moe_expected_free(&expected);
 }
 
-/* Every rank's `bytes` at `mine` into `all` (rank order), through the group's rendezvous
- * channel: small, once per case, off the timed path. */
-static void allgather(bench_case_t *bc, const void *mine, void *all, size_t bytes,
-                      const char *what)
+void epx__bench_allgather(epx_group_t group, const void *mine, void *all, size_t bytes,
+                          const char *what)
 {
-    if (bc->world_size == 1 || bc->group->bootstrap == NULL) {
+    if (group->world_size == 1 || group->bootstrap == NULL) {
         memcpy(all, mine, bytes);
         return;
     }
-    epx__bench_must(bc->rank, epx__bootstrap_allgather(bc->group->bootstrap, mine, all, bytes),
+    epx__bench_must(group->rank, epx__bootstrap_allgather(group->bootstrap, mine, all, bytes),
                     what);
+}
+
+/* Once per case, off the timed path. */
+static void allgather(bench_case_t *bc, const void *mine, void *all, size_t bytes,
+                      const char *what)
+{
+    epx__bench_allgather(bc->group, mine, all, bytes, what);
 }
 
 /*

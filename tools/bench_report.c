@@ -55,12 +55,29 @@ double epx__bench_p99(double *values, int count)
     return values[rank - 1];
 }
 
+double epx__bench_mean(const double *values, int count)
+{
+    if (count <= 0)
+        return NAN;
+    double sum = 0;
+    for (int i = 0; i < count; i++)
+        sum += values[i];
+    return sum / count;
+}
+
+double epx__bench_copy_time_us(int64_t bytes, double bw_gbps)
+{
+    if (bytes <= 0 || !(bw_gbps > 0))
+        return NAN;
+    return (double)bytes / bw_gbps / 1e3; /* bytes / (GB/s) = ns */
+}
+
 double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row)
 {
-    if (row->bytes_per_rank <= 0 || context->floor_bw_gbps <= 0)
+    if (row->bytes_per_rank <= 0)
         return NAN;
-    /* bytes / (GB/s) = ns; read + write doubles the bytes. */
-    return 2.0 * (double)row->total_bytes / context->floor_bw_gbps / 1e3;
+    /* Every byte read once and written once. */
+    return epx__bench_copy_time_us(2 * row->total_bytes, context->floor_bw_gbps);
 }
 
 static double gbps(const epx__bench_row_t *row)
@@ -84,6 +101,22 @@ static const char *dtype_text(epx_dtype_t dtype)
     return dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
 }
 
+void epx__bench_format_bytes(int64_t bytes, char *text, size_t size)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB"};
+    if (bytes < 1024) {
+        snprintf(text, size, "%lld B", (long long)bytes);
+        return;
+    }
+    double value = (double)bytes / 1024.0;
+    int unit = 0;
+    while (value >= 1024.0 && unit < 3) {
+        value /= 1024.0;
+        unit++;
+    }
+    snprintf(text, size, "%.2f %s", value, units[unit]);
+}
+
 void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
 {
     fprintf(out,
@@ -105,8 +138,8 @@ void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
     fflush(out);
 }
 
-/* "%.*f" of a number, or `missing` when it is not finite. */
-static void print_number(FILE *out, int width, int precision, double value, const char *missing)
+void epx__bench_print_number(FILE *out, int width, int precision, double value,
+                             const char *missing)
 {
     if (isfinite(value))
         fprintf(out, "%*.*f", width, precision, value);
@@ -119,21 +152,21 @@ static void print_table_row(FILE *out, const epx__bench_context_t *context,
 {
     double floor_us = epx__bench_floor_us(context, row);
     fprintf(out, "  %-5s %-16s ", dtype_text(row->dtype), epx__bench_op_name(row->op));
-    print_number(out, 11, 1, row->median_us, "-");
+    epx__bench_print_number(out, 11, 1, row->median_us, "-");
     fputc(' ', out);
-    print_number(out, 11, 1, row->p99_us, "-");
+    epx__bench_print_number(out, 11, 1, row->p99_us, "-");
     fputc(' ', out);
-    print_number(out, 11, 1, row->slowest_us, "-");
+    epx__bench_print_number(out, 11, 1, row->slowest_us, "-");
     fputc(' ', out);
-    print_number(out, 10, 2, gbps(row), "-");
+    epx__bench_print_number(out, 10, 2, gbps(row), "-");
     fputc(' ', out);
-    print_number(out, 11, 1, floor_us, "-");
+    epx__bench_print_number(out, 11, 1, floor_us, "-");
     fputc(' ', out);
-    print_number(out, 7, 1, floor_us / row->slowest_us * 100.0, "-");
+    epx__bench_print_number(out, 7, 1, floor_us / row->slowest_us * 100.0, "-");
     fprintf(out, " %5s\n", check_text(row->check));
 }
 
-static void print_json_number(FILE *out, const char *key, double value)
+void epx__bench_print_json_number(FILE *out, const char *key, double value)
 {
     if (isfinite(value))
         fprintf(out, ",\"%s\":%.6g", key, value);
@@ -146,23 +179,24 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
                            const epx__bench_row_t *row)
 {
     double floor_us = epx__bench_floor_us(context, row);
-    fprintf(out, "{\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,\"hidden\":%lld,"
-                 "\"experts\":%d,\"topk\":%d,\"alignment\":%d,\"seed\":%llu,\"sms\":%d,"
-                 "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
+    fprintf(out, "{\"mode\":\"normal\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
+                 "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"alignment\":%d,\"seed\":%llu,"
+                 "\"sms\":%d,\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
             context->backend, context->ranks, (long long)context->tokens,
             (long long)context->hidden, context->experts, context->topk, context->alignment,
             (unsigned long long)context->seed, context->sms, context->warmup, context->iters,
             dtype_text(row->dtype), epx__bench_op_name(row->op));
-    print_json_number(out, "median_us", row->median_us);
-    print_json_number(out, "p99_us", row->p99_us);
-    print_json_number(out, "slowest_median_us", row->slowest_us);
+    epx__bench_print_json_number(out, "median_us", row->median_us);
+    epx__bench_print_json_number(out, "p99_us", row->p99_us);
+    epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
     fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld", (long long)row->bytes_per_rank,
             (long long)row->total_bytes);
-    print_json_number(out, "gbps_per_rank", gbps(row));
-    print_json_number(out, "floor_bw_gbps", context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
+    epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
+    epx__bench_print_json_number(out, "floor_bw_gbps",
+                                 context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
     fprintf(out, ",\"floor_source\":\"%s\"", context->floor_source);
-    print_json_number(out, "floor_us", floor_us);
-    print_json_number(out, "pct_of_floor", floor_us / row->slowest_us * 100.0);
+    epx__bench_print_json_number(out, "floor_us", floor_us);
+    epx__bench_print_json_number(out, "pct_of_floor", floor_us / row->slowest_us * 100.0);
     if (row->check == EPX__BENCH_CHECK_NONE)
         fprintf(out, ",\"check\":null}\n");
     else

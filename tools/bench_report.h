@@ -6,6 +6,7 @@
 #ifndef EPX_TOOLS_BENCH_REPORT_H
 #define EPX_TOOLS_BENCH_REPORT_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
@@ -59,11 +60,24 @@ typedef struct {
 /* Median (mean of the middle two for an even count) and nearest-rank p99. Sorts. */
 double epx__bench_median(double *values, int count);
 double epx__bench_p99(double *values, int count);
+/* Arithmetic mean; NaN for no values. */
+double epx__bench_mean(const double *values, int count);
+
+/* Time in us to move `bytes` (reads and writes both counted) at `bw_gbps` GB/s; NaN
+ * when there are no bytes or no bandwidth. */
+double epx__bench_copy_time_us(int64_t bytes, double bw_gbps);
 
 /* Floor time in us: every rank's bytes read once and written once at the floor
  * bandwidth. NaN when not applicable. Compared with slowest_us: the floor is for all
  * ranks together. */
 double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row);
+
+/* Shared by both modes' reports: "%*.*f" of a finite number, else `missing` at that
+ * width; ",\"key\":value" (null when not finite); bytes as "1.23 GiB" and the like. */
+void epx__bench_print_number(FILE *out, int width, int precision, double value,
+                             const char *missing);
+void epx__bench_print_json_number(FILE *out, const char *key, double value);
+void epx__bench_format_bytes(int64_t bytes, char *text, size_t size);
 
 void epx__bench_print_header(FILE *out, const epx__bench_context_t *context);
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python tests and the MoE example on the CUDA backend (the GPU machine): build
-# libepx.so with CUDA, then run the single-process tests, the multi-rank tests on 1, 2
-# and 4 ranks and examples/moe_layer.py (torch, forward + backward) on 2 and 4 ranks.
+# libepx.so with CUDA, then run the single-process tests, the multi-rank tests (normal
+# and low-latency mode) on 1, 2 and 4 ranks and examples/moe_layer.py (torch, forward +
+# backward) on 2 and 4 ranks. scripts/gpu-check runs it (`test`, on its own build).
 # Several ranks share one GPU under CUDA MPS (epx launch --mps).
 #
 #   PYTHON=/opt/torch/.venv/bin/python python/tests/run_gpu.sh [build|test|all]
@@ -41,7 +42,8 @@ status=0
 for n in ${RANKS:-1 2 4}; do
     echo "== multi-rank tests, $n ranks, CUDA backend"
     "$build/epx" launch --mps -n "$n" -- "$py" -m pytest -p no:cacheprovider -q \
-        "$tests/test_buffer.py" "$tests/test_bad_input.py" "$tests/test_group.py" || status=1
+        "$tests/test_buffer.py" "$tests/test_bad_input.py" "$tests/test_group.py" \
+        "$tests/test_low_latency.py" || status=1
 done
 for n in ${EXAMPLE_RANKS:-2 4}; do
     echo "== examples/moe_layer.py, $n ranks, torch on the CUDA backend"

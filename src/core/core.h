@@ -106,7 +106,11 @@ void epx__log_set_rank(int rank);
       "Ranks per NVLink domain; 0 = all ranks in one (split into virtual nodes for tests)") \
     X(UNIQUE_ID, STRING, "", 0, 0, "Rendezvous id text from rank 0 (set by epx launch)") \
     X(LIBRARY, STRING, "", 0, 0,                                                            \
-      "Path of libepx.so for the Python package (read by Python, listed here for epx params)")
+      "Path of libepx.so for the Python package (read by Python, listed here for epx params)") \
+    X(NVSHMEM_PLUGIN, STRING, "", 0, 0,                                                     \
+      "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, then the build") \
+    X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
+      "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")
 
 typedef enum {
 #define EPX_PARAM_ENUM_(name, type, def, min, max, doc) EPX_PARAM_##name,

@@ -187,6 +187,16 @@ bench_bad_flag)
     expect_rc 2
     run "$EPX" bench --tokens 12x
     expect_rc 2
+    run "$EPX" bench --mode fast
+    expect_rc 2
+    expect_err "bad value for --mode: 'fast'"
+    # Scale formats belong to low-latency fp8 dispatch.
+    run "$EPX" bench --round-scale
+    expect_rc 2
+    expect_err 'need --mode ll'
+    run "$EPX" bench --mode ll --dtype bf16 --ue8m0
+    expect_rc 2
+    expect_err 'apply to fp8 dispatch'
     ;;
 bench_check)
     run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check
@@ -227,6 +237,76 @@ for row in rows:
 assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
     (d, o) for d in ("bf16", "fp8")
     for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy"))
+PY
+    fi
+    ;;
+bench_ll_check)
+    # Low-latency mode, both dispatch dtypes, checked: six ops each.
+    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype all \
+        --check --iters 3
+    expect_rc 0
+    expect_out '^# epx bench --mode ll: backend host, 2 ranks, tokens 16 hidden 512 experts 8 topk 4'
+    expect_out '^# buffer: .* per rank (epx_buffer_size), .* of it for low latency'
+    expect_count ' PASS$' out 12
+    expect_count 'FAIL' out 0
+    for op in dispatch combine dispatch_send dispatch_recv combine_send combine_recv; do
+        expect_count "^  bf16  $op " out 1
+        expect_count "^  fp8   $op " out 1
+        expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
+    done
+    # The standard case's defaults: 128 tokens, fp8 dispatch only.
+    run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2
+    expect_rc 0
+    expect_out '^# epx bench --mode ll: backend host, 1 ranks, tokens 128 hidden 256 experts 4 topk 2'
+    expect_count ' PASS$' out 6
+    expect_count '^  bf16 ' out 0
+    # An epx call that fails: the library's message, and a nonzero status.
+    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
+    expect_rc 1
+    expect_err 'epx_buffer_size failed: EPX_ERR_INVALID_ARG: .*num_experts is 7'
+    ;;
+bench_ll_json)
+    run "$EPX" bench -n 3 --mode ll --tokens 16 --hidden 1024 --experts 12 --topk 4 --ue8m0 \
+        --check --json --iters 4
+    expect_rc 0
+    expect_count '.' out 6
+    expect_count '^{.*}$' out 6
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+ops = ["dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+assert [r["op"] for r in rows] == ops, rows
+by_op = {r["op"]: r for r in rows}
+for row in rows:
+    assert row["mode"] == "ll" and row["ranks"] == 3 and row["tokens"] == 16, row
+    assert row["iters"] == 4 and row["dtype"] == "fp8", row
+    assert row["round_scale"] == 1 and row["use_ue8m0"] == 1, row
+    assert row["check"] == "PASS", row
+    assert 0 < row["median_us"] <= row["p99_us"], row
+    assert row["mean_us"] > 0 and row["slowest_p99_us"] >= row["slowest_median_us"], row
+    # Per iteration the slowest rank took at least as long as rank 0 ...
+    assert row["slowest_median_us"] >= row["median_us"], row
+    for key in ("per_rank_median_us", "per_rank_p99_us", "per_rank_mean_us"):
+        assert len(row[key]) == 3, row
+    assert row["per_rank_median_us"][0] == row["median_us"], row
+    # ... and than every other rank, so its median is at least every rank's.
+    assert row["slowest_median_us"] >= max(row["per_rank_median_us"]), row
+    assert row["buffer_bytes_per_rank"] >= row["ll_buffer_bytes_per_rank"] > 0, row
+    assert row["bytes_per_rank"] > 0 and row["total_bytes"] >= row["bytes_per_rank"], row
+# fp8 rows: hidden bytes + 4 scale bytes per 128 channels; combine rows: bf16.
+dispatch, combine = by_op["dispatch"], by_op["combine"]
+assert dispatch["bytes_per_rank"] % (1024 + 32) == 0, dispatch
+assert combine["bytes_per_rank"] % 2048 == 0, combine
+# Every row sent in dispatch comes back in combine (over all ranks).
+assert dispatch["total_bytes"] // 1056 == combine["total_bytes"] // 2048
+# Floors: dispatch reads and writes each row; combine reads each row, writes each token.
+assert dispatch["floor_bytes"] == 2 * dispatch["total_bytes"], dispatch
+assert combine["floor_bytes"] == combine["total_bytes"] + 3 * 16 * 2048, combine
+for row in (dispatch, combine):
+    assert row["floor_us"] > 0 and row["time_over_floor"] > 0, row
+for op in ops[2:]:
+    assert by_op[op]["floor_us"] is None and by_op[op]["floor_bytes"] == 0, by_op[op]
 PY
     fi
     ;;

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/ll.h"
 
 #define EPX_CUDA_REGION_ALIGN 256
 
@@ -118,7 +119,10 @@ static epx_status_t cuda_buffer_size(epx_group_t group, const epx_buffer_config_
     epx__cuda_shape_t shape;
     size_t slot = 0;
     EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
-    *bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t);
+    epx_ll_shape_t ll_shape;
+    size_t ll_sym = 0, ll_local = 0;
+    EPX_CHECK(epx__cuda_ll_plan(group, config, &ll_shape, &ll_sym, &ll_local));
+    *bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t) + ll_sym + ll_local;
     return EPX_SUCCESS;
 }
 
@@ -137,6 +141,9 @@ static void release_buffer(epx__cuda_buffer_t *cuda)
     epx__cuda_ipc_destroy(cuda->ipc);
     if (cuda->pool != NULL)
         epx__cuda_pool_release(cuda->pool);
+    /* Still set only when creation failed after it (leaks the symmetric part: freeing
+     * it is collective and the peers may have given up). */
+    epx__cuda_ll_destroy(cuda->ll, 0);
     (void)cudaGetLastError();
     free(cuda);
 }
@@ -203,6 +210,8 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status, &cuda->ipc);
     if (status == EPX_SUCCESS)
         status = create_local(buffer, cuda);
+    /* Low-latency mode (collective as well; a failure above joins its votes). */
+    status = epx__cuda_ll_create(buffer, status, &cuda->ll);
     /* Everyone learns whether everyone is ready before any rank starts an operation. */
     int32_t mine = (int32_t)status;
     int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
@@ -236,6 +245,38 @@ static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t
     return EPX_SUCCESS;
 }
 
+/*
+ * Collective (the destroy's barrier): 1 when no rank saw a low-latency peer fail or
+ * masked one. Freeing symmetric memory is collective too, so either every rank frees
+ * it or none does (a masked rank may be gone; then it stays until the process exits).
+ */
+static int ll_all_healthy(epx_buffer_t buffer)
+{
+    int R = buffer->group->world_size;
+    int32_t *words = calloc((size_t)R * (size_t)(R + 1), sizeof(int32_t));
+    if (words == NULL) {
+        (void)epx__bootstrap_barrier(buffer->group->bootstrap);
+        return 0;
+    }
+    int32_t *mine = words + (size_t)R * (size_t)R;
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    int ok = 1;
+    if (cuda->ll != NULL) {
+        epx__cuda_ll_poll(buffer);
+        ok = atomic_load(&buffer->ll_peer_error) == EPX_SUCCESS;
+        epx__cuda_ll_get_masked(buffer, mine);
+        for (int r = 0; r < R; r++)
+            ok = ok && !mine[r];
+    }
+    mine[0] = ok;
+    int all = epx__bootstrap_allgather(buffer->group->bootstrap, mine, words, sizeof(int32_t)) ==
+              EPX_SUCCESS;
+    for (int r = 0; all && r < R; r++)
+        all = words[r] != 0;
+    free(words);
+    return all;
+}
+
 static void cuda_buffer_destroy(epx_buffer_t buffer)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
@@ -246,8 +287,13 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
      * a peer may still be reading this rank's memory (combine pulls). A buffer that
      * failed skips the barrier: its peers may be gone. */
     (void)cudaDeviceSynchronize();
-    if (atomic_load(&buffer->async_error) == EPX_SUCCESS && !epx__cuda_note_failure(buffer))
-        (void)epx__bootstrap_barrier(buffer->group->bootstrap);
+    int healthy = atomic_load(&buffer->async_error) == EPX_SUCCESS &&
+                  !epx__cuda_note_failure(buffer);
+    int ll_healthy = 0;
+    if (healthy)
+        ll_healthy = ll_all_healthy(buffer); /* also the barrier */
+    epx__cuda_ll_destroy(cuda->ll, ll_healthy);
+    cuda->ll = NULL;
     release_buffer(cuda);
     buffer->impl = NULL;
 }
@@ -305,8 +351,10 @@ static epx_status_t cuda_layout(epx_buffer_t buffer, const epx_layout_args_t *ar
 /* A device failure (seen after CUDA graph replays, say) becomes the async error. */
 static void cuda_poll_async_error(epx_buffer_t buffer)
 {
-    if (buffer->impl != NULL)
+    if (buffer->impl != NULL) {
         (void)epx__cuda_note_failure(buffer);
+        epx__cuda_ll_poll(buffer);
+    }
 }
 
 const epx__backend_ops_t epx__cuda_backend = {
@@ -320,4 +368,11 @@ const epx__backend_ops_t epx__cuda_backend = {
     .combine = epx__cuda_combine,
     .combine_input = cuda_combine_input,
     .poll_async_error = cuda_poll_async_error,
+    .ll_dispatch = epx__cuda_ll_dispatch,
+    .ll_dispatch_receive = epx__cuda_ll_dispatch_receive,
+    .ll_combine = epx__cuda_ll_combine,
+    .ll_combine_receive = epx__cuda_ll_combine_receive,
+    .ll_combine_buffer = epx__cuda_ll_combine_buffer,
+    .ll_mask_rank = epx__cuda_ll_mask_rank,
+    .ll_get_masked = epx__cuda_ll_get_masked,
 };

@@ -64,6 +64,7 @@ typedef struct {
     epx_status_t error_status;
     int error_culprit;
     char error_message[400];
+    struct epx__cuda_ll *ll; /* low-latency mode (ll.h), NULL when off */
 } epx__cuda_buffer_t;
 
 /* Byte layout of every rank's shared allocation for this config (fills `shape`). */

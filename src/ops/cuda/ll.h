@@ -1,0 +1,61 @@
+/*
+ * Low-latency mode of the CUDA backend, host side (docs/LOW_LATENCY.md). The kernels and
+ * NVSHMEM live in the plugin (ll_plugin.h); this side loads it, sets NVSHMEM up once per
+ * process, lays out and allocates the memory, and launches the kernels.
+ *
+ * Files: ll_setup.c (plugin, NVSHMEM, plan, create, destroy), ll_ops.c (the epx_ll_*
+ * backend entries).
+ */
+#ifndef EPX_OPS_CUDA_LL_H
+#define EPX_OPS_CUDA_LL_H
+
+#include "internal.h"
+#include "ops/cuda/ll_plugin.h"
+
+typedef struct {
+    int use_fp8, use_ue8m0;
+    int64_t tokens;
+    epx_ll_op_t combine; /* what the combine's receive needs */
+} epx__cuda_ll_slot_t;
+
+typedef struct epx__cuda_ll {
+    const epx_ll_plugin_t *plugin;
+    epx_ll_shape_t shape;  /* device addresses */
+    size_t sym_bytes, local_bytes;
+    void *sym;             /* nvshmem_malloc */
+    char *local;           /* cudaMalloc: both slots' results, state, peer table */
+    epx_ll_fail_t *fail;   /* host address of the mapped failure record */
+    epx__cuda_ll_slot_t slots[2];
+} epx__cuda_ll_t;
+
+/*
+ * Memory of the low-latency part for this config (0 when max_low_latency_tokens is 0):
+ * fills the offsets of `shape` (addresses stay NULL).
+ */
+epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *config,
+                               epx_ll_shape_t *shape, size_t *sym_bytes, size_t *local_bytes);
+
+/*
+ * Collective. `status` is this rank's state so far (carried into the group's vote, so
+ * every rank fails alike). On success *ll is ready (NULL when the config has no
+ * low-latency tokens).
+ */
+epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__cuda_ll_t **ll);
+/* NULL-safe. `healthy` = every peer is known to be alive (the free is collective). */
+void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy);
+
+/* A device-side low-latency failure, once, as buffer->ll_peer_error (not a poison). */
+void epx__cuda_ll_poll(epx_buffer_t buffer);
+
+epx_status_t epx__cuda_ll_dispatch(epx_buffer_t buffer, int slot, const epx_ll_dispatch_args_t *args,
+                                   epx_ll_dispatch_result_t *result, void *stream);
+epx_status_t epx__cuda_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *stream);
+epx_status_t epx__cuda_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
+                                  void *stream);
+epx_status_t epx__cuda_ll_combine_receive(epx_buffer_t buffer, int slot,
+                                          epx_ll_combine_result_t *result, void *stream);
+epx_status_t epx__cuda_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base);
+epx_status_t epx__cuda_ll_mask_rank(epx_buffer_t buffer, int rank);
+void epx__cuda_ll_get_masked(epx_buffer_t buffer, int32_t *mask);
+
+#endif /* EPX_OPS_CUDA_LL_H */

@@ -1,0 +1,194 @@
+/*
+ * The epx_ll_* entries of the CUDA backend: fill the kernels' arguments, launch, and
+ * hand back views of the slot's device memory. Nothing waits on the host, so every
+ * call is asynchronous and capturable in a CUDA graph; a peer that does not answer is
+ * masked on the device and reported through epx_get_async_error (epx__cuda_ll_poll).
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/ll.h"
+
+static epx__cuda_ll_t *ll_of(epx_buffer_t buffer)
+{
+    return ((epx__cuda_buffer_t *)buffer->impl)->ll;
+}
+
+static epx_status_t launched(int err, const char *what)
+{
+    if (err == cudaSuccess)
+        return EPX_SUCCESS;
+    return EPX_CUDA_ERROR((cudaError_t)err, "%s: launching the low-latency kernel", what);
+}
+
+/* The kernels move 16-byte vectors: rows must start on 16 bytes. */
+static epx_status_t check_rows(const char *op, const char *name, const epx_tensor_t *t)
+{
+    int64_t pitch = epx__tensor_row_stride(t) * 2;
+    if (((uintptr_t)t->data | (uintptr_t)pitch) % 16 != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "%s: %s rows must start on 16-byte boundaries on the CUDA backend "
+                         "(data %p, row pitch %lld bytes)",
+                         op, name, t->data, (long long)pitch);
+    return EPX_SUCCESS;
+}
+
+static void dispatch_views(epx_buffer_t buffer, const epx__cuda_ll_t *ll, int slot,
+                           const epx_ll_dispatch_args_t *args, epx_ll_dispatch_result_t *result)
+{
+    const epx_ll_shape_t *s = &ll->shape;
+    char *base = s->local[slot];
+    int64_t L = s->num_local, hidden = s->hidden;
+    epx_tensor_t t = EPX_TENSOR_NONE;
+    t.ndim = 3;
+    t.shape[0] = L;
+    t.shape[1] = s->rows;
+    t.shape[2] = hidden;
+    t.data = base + s->recv_x;
+    t.dtype = args->use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    result->recv_x = t;
+    result->recv_x_scales = (epx_tensor_t)EPX_TENSOR_NONE;
+    if (args->use_fp8) {
+        t.data = base + s->recv_scales;
+        t.dtype = args->use_ue8m0 ? EPX_DTYPE_INT32 : EPX_DTYPE_FP32;
+        t.shape[2] = args->use_ue8m0 ? hidden / 512 : hidden / 128;
+        result->recv_x_scales = t;
+    }
+    result->recv_count = epx_tensor_1d(base + s->recv_count, EPX_DTYPE_INT32, L);
+    result->recv_src_info = epx_tensor_2d(base + s->recv_src_info, EPX_DTYPE_INT32, L, s->rows);
+    result->recv_layout_range =
+        epx_tensor_2d(base + s->recv_range, EPX_DTYPE_INT64, L, buffer->group->world_size);
+    result->num_masked_entries = -1; /* counted on the device only */
+}
+
+epx_status_t epx__cuda_ll_dispatch(epx_buffer_t buffer, int slot, const epx_ll_dispatch_args_t *args,
+                                   epx_ll_dispatch_result_t *result, void *stream)
+{
+    epx__cuda_ll_t *ll = ll_of(buffer);
+    EPX_CHECK(check_rows("ll_dispatch", "x", &args->x));
+    epx_ll_op_t op;
+    memset(&op, 0, sizeof(op));
+    op.slot = slot;
+    op.tokens = args->x.shape[0];
+    op.x = args->x.data;
+    op.x_stride = epx__tensor_row_stride(&args->x);
+    op.topk_idx = args->topk_idx.data;
+    op.idx_stride = epx__tensor_row_stride(&args->topk_idx);
+    op.use_fp8 = args->use_fp8;
+    op.round_scale = args->round_scale;
+    op.use_ue8m0 = args->use_ue8m0;
+    ll->slots[slot].use_fp8 = args->use_fp8;
+    ll->slots[slot].use_ue8m0 = args->use_ue8m0;
+    ll->slots[slot].tokens = op.tokens;
+    EPX_CHECK(launched(ll->plugin->dispatch_send(&ll->shape, &op, stream), "ll_dispatch"));
+    dispatch_views(buffer, ll, slot, args, result);
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *stream)
+{
+    epx__cuda_ll_t *ll = ll_of(buffer);
+    epx_ll_op_t op;
+    memset(&op, 0, sizeof(op));
+    op.slot = slot;
+    op.tokens = ll->slots[slot].tokens;
+    op.use_fp8 = ll->slots[slot].use_fp8;
+    op.use_ue8m0 = ll->slots[slot].use_ue8m0;
+    return launched(ll->plugin->dispatch_recv(&ll->shape, &op, stream), "ll_dispatch (receive)");
+}
+
+epx_status_t epx__cuda_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
+                                  void *stream)
+{
+    epx__cuda_ll_t *ll = ll_of(buffer);
+    EPX_CHECK(check_rows("ll_combine", "out", &args->out));
+    if ((uintptr_t)args->x.data % 16 != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "ll_combine: x must start on a 16-byte boundary on the CUDA backend");
+    epx_ll_op_t *op = &ll->slots[slot].combine;
+    memset(op, 0, sizeof(*op));
+    op->slot = slot;
+    op->tokens = ll->slots[slot].tokens;
+    op->x = args->x.data;
+    op->topk_idx = args->topk_idx.data;
+    op->idx_stride = epx__tensor_row_stride(&args->topk_idx);
+    op->weights = args->topk_weights.data;
+    op->weight_stride = epx__tensor_row_stride(&args->topk_weights);
+    op->out = args->out.data;
+    op->out_stride = epx__tensor_row_stride(&args->out);
+    return launched(ll->plugin->combine_send(&ll->shape, op, stream), "ll_combine");
+}
+
+epx_status_t epx__cuda_ll_combine_receive(epx_buffer_t buffer, int slot,
+                                          epx_ll_combine_result_t *result, void *stream)
+{
+    epx__cuda_ll_t *ll = ll_of(buffer);
+    if (result != NULL)
+        result->num_masked_entries = -1;
+    return launched(ll->plugin->combine_recv(&ll->shape, &ll->slots[slot].combine, stream),
+                    "ll_combine (receive)");
+}
+
+epx_status_t epx__cuda_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base)
+{
+    const epx__cuda_ll_t *ll = ll_of(buffer);
+    *base = ll->shape.sym + ll->shape.slot[slot] + ll->shape.combine_in;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_ll_mask_rank(epx_buffer_t buffer, int rank)
+{
+    const epx__cuda_ll_t *ll = ll_of(buffer);
+    const int32_t one = 1;
+    EPX_CUDA_CHECK(cudaMemcpy(ll->shape.mask + rank, &one, sizeof(one), cudaMemcpyHostToDevice),
+                   "ll_mask_rank: writing the device mask");
+    return EPX_SUCCESS;
+}
+
+void epx__cuda_ll_get_masked(epx_buffer_t buffer, int32_t *mask)
+{
+    const epx__cuda_ll_t *ll = ll_of(buffer);
+    int R = buffer->group->world_size;
+    if (cudaMemcpy(mask, ll->shape.mask, (size_t)R * sizeof(int32_t), cudaMemcpyDeviceToHost) !=
+        cudaSuccess) {
+        (void)cudaGetLastError();
+        memset(mask, 0, (size_t)R * sizeof(int32_t));
+    }
+}
+
+static const char *ll_stage_name(int stage)
+{
+    switch (stage) {
+    case EPX_LL_STAGE_DISPATCH_RELEASE:
+        return "ll_dispatch (waiting for receivers to release the slot)";
+    case EPX_LL_STAGE_DISPATCH:
+        return "ll_dispatch (waiting for tokens)";
+    case EPX_LL_STAGE_COMBINE_RELEASE:
+        return "ll_combine (waiting for home ranks to release the slot)";
+    case EPX_LL_STAGE_COMBINE:
+        return "ll_combine (waiting for expert outputs)";
+    default:
+        return "a low-latency operation";
+    }
+}
+
+void epx__cuda_ll_poll(epx_buffer_t buffer)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    if (cuda == NULL || cuda->ll == NULL)
+        return;
+    volatile epx_ll_fail_t *f = cuda->ll->fail;
+    if (f->code == 0 || f->reported)
+        return;
+    f->reported = 1;
+    snprintf(buffer->ll_peer_message, sizeof(buffer->ll_peer_message),
+             "%s: rank %d did not answer within %lld ms (seen by rank %d); it is masked from "
+             "now on",
+             ll_stage_name(f->stage), f->peer, (long long)buffer->group->timeout_ms,
+             buffer->group->rank);
+    atomic_store(&buffer->ll_peer_error, EPX_ERR_TIMEOUT);
+    EPX_WARN(EPX_SUBSYS_OPS, "%s", buffer->ll_peer_message);
+}

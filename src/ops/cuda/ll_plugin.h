@@ -1,0 +1,129 @@
+/*
+ * The CUDA backend's low-latency mode: the interface between libepx (host side,
+ * src/ops/cuda/ll_*.c) and the NVSHMEM plugin libepx_nvshmem.so (src/ops/cuda/nvshmem/).
+ *
+ * Why a plugin: NVSHMEM device code needs relocatable device code, a device link step
+ * and NVSHMEM's host library at run time. Keeping all of it in one library that epx
+ * loads with dlopen() when a low-latency CUDA buffer is created means libepx.so loads
+ * (and everything else works) on machines without NVSHMEM, and the normal-mode kernels
+ * keep their whole-program optimisation.
+ *
+ * Memory of one rank (M = max_low_latency_tokens, R ranks, L local experts, k top-k,
+ * S = hidden / 128 scale columns, cells = L * R * M):
+ *   symmetric heap (nvshmem_malloc; peers write it, same offsets on every rank)
+ *     flags      uint64 [4 kinds][2 slots][R], sequence numbers (never cleared)
+ *     per slot:  stage_count int32 [L][R]; stage_x [cells][x_row_bytes];
+ *                stage_scales fp32 [cells][S]; stage_token, stage_topk int32 [cells];
+ *                combine_stage bf16 [M][k][hidden]; combine_in bf16 [L][M*R][hidden]
+ *                (the zero-copy combine input: symmetric so RDMA can read it in place);
+ *                send_x [M][x_row_bytes] + send_scales [M][S] (rows staged for puts).
+ *   device memory (cudaMalloc; this rank only)
+ *     per slot:  recv_x [L][M*R][x_row_bytes / or hidden]; recv_scales; recv_count [L];
+ *                recv_src_info, recv_src_rank, recv_topk int32 [L][M*R]; recv_range int64 [L][R]
+ *     state:     seq uint64 [2 slots][2] (dispatch, combine; advanced by the send
+ *                kernels so CUDA graph replays keep counting), arrive uint32 [2][4]
+ *                (last-block counters), mask int32 [R].
+ *   host-mapped: the failure record.
+ */
+#ifndef EPX_OPS_CUDA_LL_PLUGIN_H
+#define EPX_OPS_CUDA_LL_PLUGIN_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define EPX_LL_PLUGIN_ABI 1
+#define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
+#define EPX_LL_PLUGIN_FILE "libepx_nvshmem.so"
+
+enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
+       EPX_LL_KIND_COMBINE_DONE = 3 };
+
+/* Where a wait gave up (the failure record's stage). */
+enum {
+    EPX_LL_STAGE_DISPATCH_RELEASE = 1, /* dispatch send: receivers releasing the slot */
+    EPX_LL_STAGE_DISPATCH = 2,         /* dispatch receive: tokens */
+    EPX_LL_STAGE_COMBINE_RELEASE = 3,  /* combine send: home ranks releasing the slot */
+    EPX_LL_STAGE_COMBINE = 4           /* combine receive: expert outputs */
+};
+
+/* Written by a kernel (code last) the first time a wait gives up; read by the host. */
+typedef struct {
+    int32_t code; /* 0 none, 1 timeout */
+    int32_t stage;
+    int32_t peer;
+    int32_t reported; /* host: this record was already turned into a status */
+} epx_ll_fail_t;
+
+/* Everything the kernels know about a buffer (passed by value to every kernel). */
+typedef struct {
+    int rank, world, num_local, num_experts, topk;
+    int blocks;       /* the SM budget: grid size of every kernel */
+    int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
+    int64_t hidden, max_tokens, rows, scale_cols; /* rows = M * R */
+    int64_t timeout_ns;
+    size_t x_row_bytes; /* staging cell: hidden * 2 */
+    /* symmetric heap */
+    char *sym;          /* this rank's base */
+    char *const *peer;  /* device array [R]: peer r's base for direct stores, or NULL */
+    size_t flags;
+    size_t slot[2];
+    size_t stage_count, stage_x, stage_scales, stage_token, stage_topk;
+    size_t combine_stage, combine_in, send_x, send_scales;
+    /* device memory */
+    char *local[2];
+    size_t recv_x, recv_scales, recv_count, recv_src_info, recv_src_rank, recv_topk, recv_range;
+    uint64_t *seq;      /* [2 slots][2] */
+    uint32_t *arrive;   /* [2 slots][4] */
+    int32_t *mask;      /* [R] */
+    epx_ll_fail_t *fail; /* device address of the host-mapped record */
+} epx_ll_shape_t;
+
+/* One operation's arguments (device addresses; strides in elements). */
+typedef struct {
+    int slot;
+    int64_t tokens;
+    const void *x;          /* dispatch: bf16 [tokens][hidden]; combine: bf16 [L][M*R][hidden] */
+    int64_t x_stride;
+    const int64_t *topk_idx;
+    int64_t idx_stride;
+    const float *weights;   /* combine */
+    int64_t weight_stride;
+    void *out;              /* combine: bf16 [tokens][hidden] */
+    int64_t out_stride;
+    int use_fp8, round_scale, use_ue8m0;
+} epx_ll_op_t;
+
+typedef struct {
+    int abi; /* EPX_LL_PLUGIN_ABI */
+    /* NVSHMEM's version (the one linked into the plugin). */
+    void (*nvshmem_version)(int *major, int *minor, int *patch);
+    /* The unique id: its size, and a fresh one (rank 0 makes it, the group shares it). */
+    size_t (*uid_size)(void);
+    int (*get_uid)(void *uid);
+    /* Initialise NVSHMEM as PE `rank` of `world` from the shared unique id (collective).
+     * Returns 0 or NVSHMEM's status; `message` gets a reason. The CUDA device is set. */
+    int (*init)(const void *uid, int rank, int world, char *message, size_t message_size);
+    /* Collective over all PEs, in the same order everywhere. */
+    void *(*malloc_sym)(size_t bytes);
+    void (*free_sym)(void *p);
+    void (*barrier_all)(void);
+    /* Peer `pe`'s address of symmetric `p` when this process can store to it, else NULL. */
+    void *(*peer_ptr)(void *p, int pe);
+    /* Kernels (stream-ordered; return a cudaError_t as int). */
+    int (*dispatch_send)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
+    int (*dispatch_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
+    int (*combine_send)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
+    int (*combine_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
+} epx_ll_plugin_t;
+
+typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* EPX_OPS_CUDA_LL_PLUGIN_H */

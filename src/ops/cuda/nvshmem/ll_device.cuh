@@ -1,0 +1,176 @@
+/*
+ * What the low-latency kernels share: addresses in the symmetric heap, stores to a
+ * peer (a direct store when NVSHMEM gives a pointer, else an NVSHMEM put), signals,
+ * the timed wait that masks a silent peer, and the last-block handshake.
+ *
+ * Flags are sequence numbers: the sender of operation n of a slot raises the flag to
+ * n, the waiter waits for >= n, nothing is ever cleared. The sequence numbers live on
+ * the device (shape.seq) and the send kernels advance them, so a step captured in a
+ * CUDA graph keeps counting when it is replayed.
+ */
+#ifndef EPX_OPS_CUDA_NVSHMEM_LL_DEVICE_CUH
+#define EPX_OPS_CUDA_NVSHMEM_LL_DEVICE_CUH
+
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include "ops/cuda/device.cuh"
+#include "ops/cuda/ll_plugin.h"
+
+#define EPX_LL_THREADS 512
+#define EPX_LL_WARPS (EPX_LL_THREADS / 32)
+
+/* Index of the arrival counters (shape.arrive[slot * 4 + which]). */
+enum { EPX_LL_ARRIVE_DISPATCH_SEND = 0, EPX_LL_ARRIVE_DISPATCH_RECV = 1,
+       EPX_LL_ARRIVE_COMBINE_SEND = 2, EPX_LL_ARRIVE_COMBINE_RECV = 3 };
+
+/* Offset of flag (kind, slot, peer) from a rank's symmetric base. */
+__device__ __forceinline__ size_t epx_ll_flag_offset(const epx_ll_shape_t &s, int kind, int slot,
+                                                     int peer)
+{
+    return s.flags + ((size_t)(kind * 2 + slot) * (size_t)s.world + (size_t)peer) * sizeof(uint64_t);
+}
+
+__device__ __forceinline__ const uint64_t *epx_ll_own_flag(const epx_ll_shape_t &s, int kind,
+                                                           int slot, int peer)
+{
+    return reinterpret_cast<const uint64_t *>(s.sym + epx_ll_flag_offset(s, kind, slot, peer));
+}
+
+/* Raise this rank's flag (kind, slot) at rank r to `value`, after this thread's stores. */
+__device__ __forceinline__ void epx_ll_signal(const epx_ll_shape_t &s, int r, int kind, int slot,
+                                              uint64_t value)
+{
+    size_t offset = epx_ll_flag_offset(s, kind, slot, s.rank);
+    char *base = s.peer[r];
+    if (base != NULL) {
+        epx_st_release_sys(reinterpret_cast<uint64_t *>(base + offset), value);
+    } else {
+        nvshmem_fence();
+        nvshmemx_signal_op(reinterpret_cast<uint64_t *>(s.sym + offset), value,
+                           NVSHMEM_SIGNAL_SET, r);
+    }
+}
+
+/* One int32 into rank r's symmetric memory at `offset`. */
+__device__ __forceinline__ void epx_ll_put_int(const epx_ll_shape_t &s, int r, size_t offset,
+                                               int32_t value)
+{
+    char *base = s.peer[r];
+    if (base != NULL)
+        *reinterpret_cast<int32_t *>(base + offset) = value;
+    else
+        nvshmem_int_p(reinterpret_cast<int *>(s.sym + offset), value, r);
+}
+
+/*
+ * Wait until *flag >= target. Returns 1 when it got there, 0 when the peer is (or
+ * becomes) masked: by another block, by the host, or here after the timeout, which
+ * also writes the failure record once (the host reports it, naming the rank).
+ */
+static __device__ __noinline__ int epx_ll_wait(const uint64_t *flag, uint64_t target,
+                                               int32_t *mask, int world, int peer,
+                                               epx_ll_fail_t *fail, int64_t timeout_ns,
+                                               int stage)
+{
+    if (epx_ld_acquire_sys(flag) >= target)
+        return 1;
+    volatile int32_t *masked = mask + peer;
+    if (*masked)
+        return 0;
+    uint64_t start = epx_globaltimer();
+    for (uint32_t spin = 1;; spin++) {
+        if (epx_ld_acquire_sys(flag) >= target)
+            return 1;
+        if ((spin & 63) != 0)
+            continue;
+        if (*masked)
+            return 0;
+        if (epx_globaltimer() - start > (uint64_t)timeout_ns) {
+            atomicExch(mask + peer, 1);
+            /* mask[world] claims the record: the first failure is the one reported. */
+            if (atomicCAS(mask + world, 0, 1) == 0) {
+                volatile epx_ll_fail_t *f = fail;
+                f->stage = stage;
+                f->peer = peer;
+                __threadfence_system();
+                f->code = 1;
+                __threadfence_system();
+            }
+            return 0;
+        }
+    }
+}
+
+/*
+ * ok[r] = 1 for each unmasked peer whose flag (kind, slot) reached `target` (0 = no
+ * wait), 0 for masked or silent peers. Every thread of the block calls it.
+ */
+__device__ __forceinline__ void epx_ll_wait_peers(const epx_ll_shape_t &s, int kind, int slot,
+                                                  uint64_t target, int stage, int32_t *ok)
+{
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x) {
+        int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+        if (alive && target > 0)
+            alive = epx_ll_wait(epx_ll_own_flag(s, kind, slot, r), target, s.mask, s.world, r,
+                                s.fail, s.timeout_ns, stage);
+        ok[r] = alive;
+    }
+    __syncthreads();
+}
+
+/*
+ * Every thread of every block calls this at the end of its work: nonzero in exactly
+ * one block, the last to arrive, once every block's stores (peer memory included) are
+ * visible at system scope. Puts of this block are completed first.
+ */
+__device__ __forceinline__ int epx_ll_last_block(const epx_ll_shape_t &s, uint32_t *counter,
+                                                 int *flag)
+{
+    if (s.use_puts && (threadIdx.x & 31) == 0)
+        nvshmem_quiet();
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t arrived = atomicAdd(counter, 1u);
+        *flag = arrived == gridDim.x - 1;
+        if (*flag) {
+            atomicExch(counter, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return *flag;
+}
+
+__device__ __forceinline__ uint64_t epx_ll_seq(const epx_ll_shape_t &s, int slot, int which)
+{
+    return epx_ld_volatile_u64(s.seq + slot * 2 + which);
+}
+
+/* Does expert e appear in idx[0..j-1]? (a token sends one row per distinct expert) */
+__device__ __forceinline__ int epx_ll_seen_before(const int64_t *idx, int j, int64_t e)
+{
+    for (int i = 0; i < j; i++)
+        if (idx[i] == e)
+            return 1;
+    return 0;
+}
+
+/* 16-byte copy of `bytes` (a multiple of 16) by one warp, four vectors in flight. */
+__device__ __forceinline__ void epx_ll_warp_copy(char *dst, const char *src, size_t bytes, int lane)
+{
+    size_t n = bytes / 16, i = (size_t)lane;
+    for (; i + 96 < n; i += 128) {
+        int4 a = epx_ld_nc_v4(src + i * 16), b = epx_ld_nc_v4(src + (i + 32) * 16);
+        int4 c = epx_ld_nc_v4(src + (i + 64) * 16), d = epx_ld_nc_v4(src + (i + 96) * 16);
+        epx_st_v4(dst + i * 16, a);
+        epx_st_v4(dst + (i + 32) * 16, b);
+        epx_st_v4(dst + (i + 64) * 16, c);
+        epx_st_v4(dst + (i + 96) * 16, d);
+    }
+    for (; i < n; i += 32)
+        epx_st_v4(dst + i * 16, epx_ld_nc_v4(src + i * 16));
+}
+
+#endif /* EPX_OPS_CUDA_NVSHMEM_LL_DEVICE_CUH */
