@@ -57,6 +57,7 @@ typedef struct {
     uint16_t *expert_out;  /* [recv_rows, hidden] bf16: what the experts send back */
     void *filled[2];       /* combine buffers that hold expert_out */
     int layout_ok;         /* the first step's counts and ranges were consistent */
+    uint16_t *expected_out; /* --check: the oracle's combine output (checked again last) */
 } ll_case_t;
 
 /* What every rank tells the others after the timed iterations. */
@@ -448,9 +449,15 @@ static void run_first(ll_case_t *lc, int32_t check[EPX__BENCH_LL_OP_COUNT])
         check[EPX__BENCH_LL_COMBINE_SEND] = check[EPX__BENCH_LL_COMBINE_RECV] =
             EPX__BENCH_CHECK_FAIL;
 
+    /* The loops are checked by their last step's output (time_steps). */
+    check[EPX__BENCH_LL_LOOP_DISPATCH] = check[EPX__BENCH_LL_DISPATCH];
+    check[EPX__BENCH_LL_LOOP_COMBINE] = check[EPX__BENCH_LL_COMBINE];
+    check[EPX__BENCH_LL_LOOP_STEP] = check[EPX__BENCH_LL_LOOP_SPLIT] =
+        check[EPX__BENCH_LL_DISPATCH] == EPX__BENCH_CHECK_FAIL ? EPX__BENCH_CHECK_FAIL
+                                                               : check[EPX__BENCH_LL_COMBINE];
     if (checking)
         moe_ll_expected_free(&expected);
-    free(expected_out);
+    lc->expected_out = expected_out;
 }
 
 /* ---------------------------------------------------------------- timing */
@@ -470,6 +477,57 @@ static void read_marks(ll_case_t *lc, int marks, double *durations_us)
 {
     epx__bench_must(lc->rank, epx__bench_elapsed_us(lc->device, marks, durations_us),
                     "reading timestamps");
+}
+
+/* Steps per timed loop (two timestamps each, one more at the end). */
+#define LOOP_STEPS 16
+
+/*
+ * Steps back to back, `warmup` + `iters` of each kind, in loops of LOOP_STEPS after one
+ * barrier: per-op times of plain steps, then whole steps with the split.
+ */
+static void time_loops(ll_case_t *lc, int warmup, int iters,
+                       double *times[EPX__BENCH_LL_OP_COUNT])
+{
+    double d[2 * LOOP_STEPS];
+    for (int done = -warmup; done < iters; done += LOOP_STEPS) {
+        barrier(lc);
+        for (int i = 0; i < LOOP_STEPS; i++) {
+            mark(lc, 2 * i);
+            epx_ll_dispatch_result_t step = run_dispatch(lc, 0);
+            mark(lc, 2 * i + 1);
+            epx_tensor_t x = combine_input(lc, step.handle);
+            run_combine(lc, step.handle, &x, 0);
+        }
+        mark(lc, 2 * LOOP_STEPS);
+        read_marks(lc, 2 * LOOP_STEPS + 1, d);
+        for (int i = 0; i < LOOP_STEPS; i++) {
+            int sample = done + i;
+            if (sample < 0 || sample >= iters)
+                continue;
+            times[EPX__BENCH_LL_LOOP_DISPATCH][sample] = d[2 * i];
+            times[EPX__BENCH_LL_LOOP_COMBINE][sample] = d[2 * i + 1];
+            times[EPX__BENCH_LL_LOOP_STEP][sample] = d[2 * i] + d[2 * i + 1];
+        }
+    }
+    for (int done = -warmup; done < iters; done += LOOP_STEPS) {
+        barrier(lc);
+        for (int i = 0; i < LOOP_STEPS; i++) {
+            mark(lc, i);
+            epx_ll_dispatch_result_t step = run_dispatch(lc, EPX_LL_SEND_ONLY);
+            run_receive(lc, step.handle, "epx_ll_receive (dispatch)");
+            epx_tensor_t x = combine_input(lc, step.handle);
+            run_combine(lc, step.handle, &x, EPX_LL_SEND_ONLY);
+            run_receive(lc, step.handle, "epx_ll_receive (combine)");
+        }
+        mark(lc, LOOP_STEPS);
+        read_marks(lc, LOOP_STEPS + 1, d);
+        for (int i = 0; i < LOOP_STEPS; i++) {
+            int sample = done + i;
+            if (sample >= 0 && sample < iters)
+                times[EPX__BENCH_LL_LOOP_SPLIT][sample] = d[i];
+        }
+    }
 }
 
 static void time_steps(ll_case_t *lc, int warmup, int iters,
@@ -514,10 +572,11 @@ static void time_steps(ll_case_t *lc, int warmup, int iters,
         read_marks(lc, 2, &t[EPX__BENCH_LL_COMBINE_RECV]);
 
         if (it >= warmup) {
-            for (int op = 0; op < EPX__BENCH_LL_OP_COUNT; op++)
+            for (int op = 0; op <= EPX__BENCH_LL_COMBINE_RECV; op++)
                 times[op][it - warmup] = t[op];
         }
     }
+    time_loops(lc, warmup, iters, times);
 }
 
 /* ---------------------------------------------------------------- one case */
@@ -606,19 +665,26 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
         row->slowest = epx__bench_stats(slowest, iters);
 
         int is_dispatch = op == EPX__BENCH_LL_DISPATCH || op == EPX__BENCH_LL_DISPATCH_SEND ||
-                          op == EPX__BENCH_LL_DISPATCH_RECV;
-        if (is_dispatch) {
+                          op == EPX__BENCH_LL_DISPATCH_RECV || op == EPX__BENCH_LL_LOOP_DISPATCH;
+        int is_step = op == EPX__BENCH_LL_LOOP_STEP || op == EPX__BENCH_LL_LOOP_SPLIT;
+        /* Dispatch: every row sent is read once and written once. Combine: every expert
+         * row read once, one reduced row per token written. */
+        int64_t dispatch_floor = 2 * sent * dispatch_row;
+        int64_t combine_floor = received * combine_row + tokens * combine_row;
+        if (is_step) {
+            row->bytes_per_rank = all[0].sent_rows * dispatch_row + all[0].recv_rows * combine_row;
+            row->total_bytes = sent * dispatch_row + received * combine_row;
+            row->floor_bytes = dispatch_floor + combine_floor;
+        } else if (is_dispatch) {
             row->bytes_per_rank = all[0].sent_rows * dispatch_row;
             row->total_bytes = sent * dispatch_row;
-            /* Every row sent is read once and written once. */
-            if (op == EPX__BENCH_LL_DISPATCH)
-                row->floor_bytes = 2 * row->total_bytes;
+            if (op == EPX__BENCH_LL_DISPATCH || op == EPX__BENCH_LL_LOOP_DISPATCH)
+                row->floor_bytes = dispatch_floor;
         } else {
             row->bytes_per_rank = all[0].recv_rows * combine_row;
             row->total_bytes = received * combine_row;
-            /* Every expert row read once, one reduced row per token written. */
-            if (op == EPX__BENCH_LL_COMBINE)
-                row->floor_bytes = row->total_bytes + tokens * combine_row;
+            if (op == EPX__BENCH_LL_COMBINE || op == EPX__BENCH_LL_LOOP_COMBINE)
+                row->floor_bytes = combine_floor;
         }
         row->check = lc->options->check ? EPX__BENCH_CHECK_PASS : EPX__BENCH_CHECK_NONE;
         for (int r = 0; r < world; r++) {
@@ -675,6 +741,13 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     for (int op = 0; op < EPX__BENCH_LL_OP_COUNT; op++)
         times[op] = my_times + (size_t)op * (size_t)iters;
     time_steps(&lc, context->warmup, iters, times);
+    /* The back-to-back loops end with a split step: its output must still be right. */
+    if (lc.expected_out != NULL &&
+        !check_combine(&lc, "combine out after the back-to-back loops", lc.expected_out))
+        mine.check[EPX__BENCH_LL_LOOP_STEP] = mine.check[EPX__BENCH_LL_LOOP_SPLIT] =
+            EPX__BENCH_CHECK_FAIL;
+    free(lc.expected_out);
+    lc.expected_out = NULL;
 
     double *all_times =
         host_alloc(&lc, per_rank_times * (size_t)lc.world_size * sizeof(double), "times");

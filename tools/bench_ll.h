@@ -14,7 +14,9 @@
 
 /*
  * The whole calls first, then the split: a dispatch with EPX_LL_SEND_ONLY and its
- * epx_ll_receive, and the same for combine, each half timed alone.
+ * epx_ll_receive, and the same for combine, each half timed alone (each after a host
+ * barrier, so they include the ranks' launch skew). Then steps back to back, the way a
+ * decode loop runs them: the ranks pace each other through the data, no host barrier.
  */
 typedef enum {
     EPX__BENCH_LL_DISPATCH = 0,      /* epx_ll_dispatch: send and receive in one call */
@@ -23,7 +25,12 @@ typedef enum {
     EPX__BENCH_LL_DISPATCH_RECV = 3, /* its epx_ll_receive */
     EPX__BENCH_LL_COMBINE_SEND = 4,  /* epx_ll_combine with EPX_LL_SEND_ONLY */
     EPX__BENCH_LL_COMBINE_RECV = 5,  /* its epx_ll_receive */
-    EPX__BENCH_LL_OP_COUNT = 6,
+    /* Steps back to back with no host synchronisation between them (a decode loop): */
+    EPX__BENCH_LL_LOOP_DISPATCH = 6, /* epx_ll_dispatch inside the loop */
+    EPX__BENCH_LL_LOOP_COMBINE = 7,  /* epx_ll_combine inside the loop */
+    EPX__BENCH_LL_LOOP_STEP = 8,     /* a whole step (dispatch + combine) */
+    EPX__BENCH_LL_LOOP_SPLIT = 9,    /* a whole step, both ops sent and then received */
+    EPX__BENCH_LL_OP_COUNT = 10,
 } epx__bench_ll_op_t;
 
 const char *epx__bench_ll_op_name(epx__bench_ll_op_t op);

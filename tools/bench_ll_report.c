@@ -25,6 +25,14 @@ const char *epx__bench_ll_op_name(epx__bench_ll_op_t op)
         return "combine_send";
     case EPX__BENCH_LL_COMBINE_RECV:
         return "combine_recv";
+    case EPX__BENCH_LL_LOOP_DISPATCH:
+        return "dispatch_loop";
+    case EPX__BENCH_LL_LOOP_COMBINE:
+        return "combine_loop";
+    case EPX__BENCH_LL_LOOP_STEP:
+        return "step_loop";
+    case EPX__BENCH_LL_LOOP_SPLIT:
+        return "step_split_loop";
     default:
         return "unknown";
     }

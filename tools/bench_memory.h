@@ -12,7 +12,7 @@
 #include "epx.h"
 
 /* Timestamps one timed iteration takes (one before the first op, one after each). */
-#define EPX__BENCH_MAX_MARKS 8
+#define EPX__BENCH_MAX_MARKS 40
 
 typedef struct {
     epx_backend_t backend;
