@@ -241,15 +241,16 @@ PY
     fi
     ;;
 bench_ll_check)
-    # Low-latency mode, both dispatch dtypes, checked: six ops each.
+    # Low-latency mode, both dispatch dtypes, checked: ten ops each.
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype all \
         --check --iters 3
     expect_rc 0
     expect_out '^# epx bench --mode ll: backend host, 2 ranks, tokens 16 hidden 512 experts 8 topk 4'
     expect_out '^# buffer: .* per rank (epx_buffer_size), .* of it for low latency'
-    expect_count ' PASS$' out 12
+    expect_count ' PASS$' out 20
     expect_count 'FAIL' out 0
-    for op in dispatch combine dispatch_send dispatch_recv combine_send combine_recv; do
+    for op in dispatch combine dispatch_send dispatch_recv combine_send combine_recv \
+        dispatch_loop combine_loop step_loop step_split_loop; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
         expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
@@ -258,7 +259,7 @@ bench_ll_check)
     run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2
     expect_rc 0
     expect_out '^# epx bench --mode ll: backend host, 1 ranks, tokens 128 hidden 256 experts 4 topk 2'
-    expect_count ' PASS$' out 6
+    expect_count ' PASS$' out 10
     expect_count '^  bf16 ' out 0
     # An epx call that fails: the library's message, and a nonzero status.
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
@@ -269,13 +270,14 @@ bench_ll_json)
     run "$EPX" bench -n 3 --mode ll --tokens 16 --hidden 1024 --experts 12 --topk 4 --ue8m0 \
         --check --json --iters 4
     expect_rc 0
-    expect_count '.' out 6
-    expect_count '^{.*}$' out 6
+    expect_count '.' out 10
+    expect_count '^{.*}$' out 10
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-ops = ["dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv"]
+ops = ["dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+       "dispatch_loop", "combine_loop", "step_loop", "step_split_loop"]
 assert [r["op"] for r in rows] == ops, rows
 by_op = {r["op"]: r for r in rows}
 for row in rows:
@@ -305,8 +307,13 @@ assert dispatch["floor_bytes"] == 2 * dispatch["total_bytes"], dispatch
 assert combine["floor_bytes"] == combine["total_bytes"] + 3 * 16 * 2048, combine
 for row in (dispatch, combine):
     assert row["floor_us"] > 0 and row["time_over_floor"] > 0, row
-for op in ops[2:]:
+for op in ops[2:6]:
     assert by_op[op]["floor_us"] is None and by_op[op]["floor_bytes"] == 0, by_op[op]
+# The loops: the same floors; a whole step has both.
+assert by_op["dispatch_loop"]["floor_bytes"] == dispatch["floor_bytes"]
+assert by_op["combine_loop"]["floor_bytes"] == combine["floor_bytes"]
+for op in ("step_loop", "step_split_loop"):
+    assert by_op[op]["floor_bytes"] == dispatch["floor_bytes"] + combine["floor_bytes"]
 PY
     fi
     ;;
