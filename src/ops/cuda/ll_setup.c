@@ -60,12 +60,14 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     /* The kernels' shared memory (ll_dispatch.cu): the send's histogram and chunk
      * tables, the receive's table of first rows. */
     int topk = config->num_topk, chunk = 2048 / topk < 1 ? 1 : (2048 / topk > 32 ? 32 : 2048 / topk);
-    size_t send_smem = ((size_t)config->num_experts + 2 * (size_t)chunk * (size_t)topk + (size_t)R) * 4;
-    size_t recv_smem = ((size_t)R + (size_t)(config->num_experts / R) * ((size_t)R + 1)) * 4;
+    /* (+ up to 4096 cached routing entries of 8 bytes) */
+    size_t send_smem =
+        ((size_t)config->num_experts + 2 * (size_t)chunk * (size_t)topk + (size_t)R) * 4 + 4096 * 8;
+    size_t recv_smem = ((size_t)R + (size_t)(config->num_experts / R) * ((size_t)R + 2) + 1) * 4;
     size_t smem = send_smem > recv_smem ? send_smem : recv_smem;
     if (smem > 48 * 1024)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "buffer: low-latency mode on the CUDA backend takes at most about 10000 "
+                         "buffer: low-latency mode on the CUDA backend takes at most about 2000 "
                          "experts (config has %d experts, %d ranks)",
                          config->num_experts, R);
     s->rank = group->rank;

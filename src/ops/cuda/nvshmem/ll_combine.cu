@@ -2,7 +2,7 @@
  * Low-latency combine kernels (docs/LOW_LATENCY.md; src/ops/ref/host_ll_combine.c is
  * the oracle they match).
  *
- * Send (the warps of the grid take the received rows of each expert in turn): wait until
+ * Send (the warps of the grid share the received rows evenly): wait until
  * every unmasked home rank released this slot's previous combine; store each valid
  * row of x to its home rank's combine staging at [source token][top-k position] (a
  * direct store, or a put from the symmetric combine input); the last block raises the
@@ -16,10 +16,15 @@
 
 #include "ops/cuda/nvshmem/ll_device.cuh"
 
+/* Expert rows a combine receive lane loads before it sums them. */
+#define EPX_LL_BATCH 8
+
 __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_combine_send_kernel(epx_ll_shape_t s, epx_ll_op_t op)
 {
-    extern __shared__ int32_t ok[]; /* [R] */
+    extern __shared__ int32_t smem[];
+    int32_t *ok = smem;                   /* [R] */
+    int32_t *expert_first = smem + s.world; /* [L + 1] */
     __shared__ int last;
     const int R = s.world, k = s.topk, slot = op.slot, lane = threadIdx.x & 31,
               warp = threadIdx.x >> 5;
@@ -33,12 +38,22 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const char *x = reinterpret_cast<const char *>(op.x);
     const int in_place = x == own + s.combine_in;
 
-    /* Every warp of the grid takes rows of each expert in turn. */
-    const int warps = gridDim.x * EPX_LL_WARPS;
+    /* The warps of the grid share all received rows evenly. */
+    const int L = s.num_local, warps = gridDim.x * EPX_LL_WARPS;
     const int32_t *recv_count = reinterpret_cast<const int32_t *>(in + s.recv_count);
-    for (int e = 0; e < s.num_local; e++) {
-        const int32_t count = recv_count[e];
-        for (int i = blockIdx.x * EPX_LL_WARPS + warp; i < count; i += warps) {
+    if (threadIdx.x == 0) {
+        int32_t pos = 0;
+        for (int e = 0; e < L; e++) {
+            expert_first[e] = pos;
+            pos += recv_count[e];
+        }
+        expert_first[L] = pos;
+    }
+    __syncthreads();
+    for (int g = blockIdx.x * EPX_LL_WARPS + warp; g < expert_first[L]; g += warps) {
+        {
+            const int e = epx_ll_find(expert_first, L, g);
+            const int i = g - expert_first[e];
             const int64_t row = (int64_t)e * s.rows + i;
             const int home_rank = reinterpret_cast<const int32_t *>(in + s.recv_src_rank)[row];
             if (!ok[home_rank])
@@ -94,18 +109,38 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         float acc[8];
         for (int i = 0; i < 8; i++)
             acc[i] = 0.0f;
-        for (int j = 0; j < k; j++) {
-            const int64_t e = idx[j];
-            if (e < 0 || !ok[e / L])
-                continue;
-            int first = 0;
-            while (idx[first] != e)
-                first++;
-            const float w = weights[j];
-            int4 raw = epx_ld_nc_v4(stage + ((size_t)(t * k + first) * s.hidden + channel) * 2);
-            const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw);
-            for (int i = 0; i < 8; i++)
-                acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+        /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
+        for (int j0 = 0; j0 < k; j0 += EPX_LL_BATCH) {
+            int4 raw[EPX_LL_BATCH];
+            float w[EPX_LL_BATCH];
+#pragma unroll
+            for (int b = 0; b < EPX_LL_BATCH; b++) {
+                const int j = j0 + b;
+                w[b] = 0.0f;
+                raw[b] = make_int4(0, 0, 0, 0);
+                if (j >= k)
+                    continue;
+                const int64_t e = idx[j];
+                if (e < 0 || !ok[e / L])
+                    continue;
+                int first = 0;
+                while (idx[first] != e)
+                    first++;
+                w[b] = weights[j];
+                raw[b] = epx_ld_nc_v4(stage + ((size_t)(t * k + first) * s.hidden + channel) * 2);
+            }
+#pragma unroll
+            for (int b = 0; b < EPX_LL_BATCH; b++) {
+                const int j = j0 + b;
+                if (j >= k)
+                    break;
+                const int64_t e = idx[j];
+                if (e < 0 || !ok[e / L])
+                    continue;
+                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
+                for (int i = 0; i < 8; i++)
+                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
+            }
         }
         int4 packed;
         __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
@@ -125,7 +160,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
 extern "C" int epx_ll_launch_combine_send(const epx_ll_shape_t *s, const epx_ll_op_t *op,
                                           void *stream)
 {
-    size_t smem = (size_t)s->world * sizeof(int32_t);
+    size_t smem = ((size_t)s->world + (size_t)s->num_local + 1) * sizeof(int32_t);
     epx_ll_combine_send_kernel<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op);
     return (int)cudaGetLastError();
 }

@@ -157,6 +157,20 @@ __device__ __forceinline__ int epx_ll_seen_before(const int64_t *idx, int j, int
     return 0;
 }
 
+/* The i with first[i] <= value < first[i + 1], for ascending first[0..n] (n >= 1). */
+__device__ __forceinline__ int epx_ll_find(const int32_t *first, int n, int32_t value)
+{
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= value)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
 /* 16-byte copy of `bytes` (a multiple of 16) by one warp, four vectors in flight. */
 __device__ __forceinline__ void epx_ll_warp_copy(char *dst, const char *src, size_t bytes, int lane)
 {

@@ -12,8 +12,8 @@
  *      row for NVSHMEM puts when a peer has no direct pointer;
  *   4. the last block writes the per-expert counts and raises the arrival flags.
  * Receive: wait for the sources' flags; every block computes where each source's rows
- * start (source s after sources < s) and the warps of the grid copy the rows of each
- * expert in turn, with their scales and source info; then release the slot.
+ * start (source s after sources < s) and the warps of the grid share all rows evenly,
+ * copying them with their scales and source info; then release the slot.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -27,27 +27,40 @@ __host__ __device__ __forceinline__ int epx_ll_chunk_tokens(int topk)
     return c < 1 ? 1 : (c > 32 ? 32 : c);
 }
 
-/* Shared memory of the send kernel: hist [E], chunk experts + rows [2][C*k], ok [R]. */
-__host__ __device__ __forceinline__ size_t epx_ll_send_smem(int experts, int topk, int world)
+/* Routing entries the send kernel copies to shared memory (else it reads them in place). */
+#define EPX_LL_CACHED_ENTRIES 4096
+
+__host__ __device__ __forceinline__ int epx_ll_cache_routing(int64_t tokens, int topk)
 {
-    return ((size_t)experts + 2 * (size_t)epx_ll_chunk_tokens(topk) * (size_t)topk + (size_t)world) *
-           sizeof(int32_t);
+    return tokens * topk <= EPX_LL_CACHED_ENTRIES;
 }
 
-/* Shared memory of the receive kernel: ok [R], first rows [L][R + 1]. */
+/*
+ * Shared memory of the send kernel: the routing when cached (int64, first, 8-aligned),
+ * hist [E], chunk experts + rows [2][C*k], ok [R].
+ */
+__host__ __device__ __forceinline__ size_t epx_ll_send_smem(int experts, int topk, int world,
+                                                            int64_t tokens)
+{
+    size_t routing = epx_ll_cache_routing(tokens, topk) ? (size_t)(tokens * topk) * 8 : 0;
+    return routing + ((size_t)experts + 2 * (size_t)epx_ll_chunk_tokens(topk) * (size_t)topk +
+                      (size_t)world) * sizeof(int32_t);
+}
+
+/* Shared memory of the receive kernel: ok [R], first rows [L][R + 1], [L + 1]. */
 __host__ __device__ __forceinline__ size_t epx_ll_recv_smem(int local, int world)
 {
-    return ((size_t)world + (size_t)local * ((size_t)world + 1)) * sizeof(int32_t);
+    return ((size_t)world + (size_t)local * ((size_t)world + 2) + 1) * sizeof(int32_t);
 }
 
 /* Count, per expert, the tokens in [begin, end) that send it a row. */
-__device__ void epx_ll_histogram(const epx_ll_op_t &op, int k, int64_t begin, int64_t end,
-                                 int32_t *hist)
+__device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, int k,
+                                 int64_t begin, int64_t end, int32_t *hist)
 {
     for (int64_t i = begin * k + threadIdx.x; i < end * k; i += blockDim.x) {
         int64_t t = i / k;
         int j = (int)(i % k);
-        const int64_t *idx = op.topk_idx + t * op.idx_stride;
+        const int64_t *idx = topk_idx + t * idx_stride;
         int64_t e = idx[j];
         if (e >= 0 && !epx_ll_seen_before(idx, j, e))
             atomicAdd(&hist[e], 1);
@@ -95,8 +108,18 @@ __device__ __forceinline__ int4 epx_ll_cast16(const int4 lo, const int4 hi, int 
 __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_dispatch_send_kernel(epx_ll_shape_t s, epx_ll_op_t op)
 {
-    extern __shared__ int32_t smem[];
+    extern __shared__ int64_t smem64[];
     const int R = s.world, me = s.rank, k = s.topk, L = s.num_local, C = epx_ll_chunk_tokens(k);
+    const int64_t T = op.tokens;
+    /* The routing: a copy in shared memory when small (it is read several times). */
+    const int cached = epx_ll_cache_routing(T, k);
+    const int64_t *topk_idx = cached ? smem64 : op.topk_idx;
+    const int64_t idx_stride = cached ? k : op.idx_stride;
+    if (cached) {
+        for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x)
+            smem64[i] = op.topk_idx[(i / k) * op.idx_stride + i % k];
+    }
+    int32_t *smem = reinterpret_cast<int32_t *>(smem64 + (cached ? T * k : 0));
     int32_t *hist = smem;
     int32_t *chunk_expert = hist + s.num_experts; /* [C][k] expert of a first occurrence, or -1 */
     int32_t *chunk_row = chunk_expert + C * k;    /* [C][k] row at the receiver */
@@ -111,12 +134,12 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH_DONE, slot, seq - 1, EPX_LL_STAGE_DISPATCH_RELEASE,
                       ok);
 
-    const int64_t T = op.tokens, per = (T + gridDim.x - 1) / gridDim.x;
+    const int64_t per = (T + gridDim.x - 1) / gridDim.x;
     const int64_t t0 = min(T, (int64_t)blockIdx.x * per), t1 = min(T, t0 + per);
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         hist[i] = 0;
     __syncthreads();
-    epx_ll_histogram(op, k, 0, t0, hist);
+    epx_ll_histogram(topk_idx, idx_stride, k, 0, t0, hist);
     __syncthreads();
 
     /* Channels per lane and per warp item: fp8 16 (a 512-channel item), bf16 8 (256). */
@@ -129,7 +152,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     for (int64_t c0 = t0; c0 < t1; c0 += C) {
         const int n = (int)min((int64_t)C, t1 - c0);
         for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
-            const int64_t *idx = op.topk_idx + (c0 + i / k) * op.idx_stride;
+            const int64_t *idx = topk_idx + (c0 + i / k) * idx_stride;
             int j = i % k;
             int64_t e = idx[j];
             chunk_expert[i] = (e >= 0 && !epx_ll_seen_before(idx, j, e)) ? (int32_t)e : -1;
@@ -231,7 +254,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         hist[i] = 0;
     __syncthreads();
-    epx_ll_histogram(op, k, 0, T, hist);
+    epx_ll_histogram(topk_idx, idx_stride, k, 0, T, hist);
     __syncthreads();
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x) {
         const int r = i / L;
@@ -256,6 +279,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const int R = s.world, L = s.num_local, slot = op.slot, lane = threadIdx.x & 31;
     int32_t *ok = smem;          /* [R] */
     int32_t *first = smem + R;   /* [L][R + 1]: first packed row of each source, then the total */
+    int32_t *expert_first = first + L * (R + 1); /* [L + 1]: first row of each expert, all rows */
     __shared__ int last;
     const uint64_t seq = epx_ll_seq(s, slot, 0);
     epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH, slot, seq, EPX_LL_STAGE_DISPATCH, ok);
@@ -272,6 +296,15 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         first[e * (R + 1) + R] = pos;
     }
     __syncthreads();
+    if (threadIdx.x == 0) {
+        int32_t pos = 0;
+        for (int e = 0; e < L; e++) {
+            expert_first[e] = pos;
+            pos += first[e * (R + 1) + R];
+        }
+        expert_first[L] = pos;
+    }
+    __syncthreads();
     if (blockIdx.x == 0) {
         for (int i = threadIdx.x; i < L * R; i += blockDim.x) {
             const int e = i / R, src = i % R;
@@ -284,17 +317,17 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             reinterpret_cast<int32_t *>(out + s.recv_count)[e] = first[e * (R + 1) + R];
     }
 
-    /* Every warp of the grid takes rows of each expert in turn. */
+    /* The warps of the grid share all received rows evenly. */
     const int fp8 = op.use_fp8, ue8m0 = op.use_ue8m0;
     const size_t row_bytes = fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
     const int64_t S = s.scale_cols, words = s.hidden / 512;
     const int warps = gridDim.x * EPX_LL_WARPS;
-    for (int e = 0; e < L; e++) {
-        const int32_t *f = first + e * (R + 1);
-        for (int i = blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5); i < f[R]; i += warps) {
-            int src = 0;
-            while (f[src + 1] <= i)
-                src++;
+    for (int g = blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5); g < expert_first[L]; g += warps) {
+        {
+            const int e = epx_ll_find(expert_first, L, g);
+            const int32_t *f = first + e * (R + 1);
+            const int i = g - expert_first[e];
+            const int src = epx_ll_find(f, R, i);
             const int64_t cell = ((int64_t)e * R + src) * s.max_tokens + (i - f[src]);
             const int64_t row = (int64_t)e * s.rows + i;
             epx_ll_warp_copy(out + s.recv_x + (size_t)row * row_bytes,
@@ -334,7 +367,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
 extern "C" int epx_ll_launch_dispatch_send(const epx_ll_shape_t *s, const epx_ll_op_t *op,
                                            void *stream)
 {
-    size_t smem = epx_ll_send_smem(s->num_experts, s->topk, s->world);
+    size_t smem = epx_ll_send_smem(s->num_experts, s->topk, s->world, op->tokens);
     epx_ll_dispatch_send_kernel<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op);
     return (int)cudaGetLastError();
 }
