@@ -23,6 +23,7 @@
  * Every rank runs the same sequence of collective calls whatever its check found, so a
  * wrong result on one rank is reported, never turned into a hang on the others.
  */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -453,6 +454,7 @@ static void run_first(ll_case_t *lc, int32_t check[EPX__BENCH_LL_OP_COUNT])
     check[EPX__BENCH_LL_LOOP_DISPATCH] = check[EPX__BENCH_LL_DISPATCH];
     check[EPX__BENCH_LL_LOOP_COMBINE] = check[EPX__BENCH_LL_COMBINE];
     check[EPX__BENCH_LL_LOOP_STEP] = check[EPX__BENCH_LL_LOOP_SPLIT] =
+        check[EPX__BENCH_LL_GRAPH_STEP] =
         check[EPX__BENCH_LL_DISPATCH] == EPX__BENCH_CHECK_FAIL ? EPX__BENCH_CHECK_FAIL
                                                                : check[EPX__BENCH_LL_COMBINE];
     if (checking)
@@ -530,6 +532,39 @@ static void time_loops(ll_case_t *lc, int warmup, int iters,
     }
 }
 
+/*
+ * LOOP_STEPS plain steps captured once in a CUDA graph, then `warmup` + `iters` replays,
+ * each timed: a sample is the replay's time / LOOP_STEPS. NaN on the host backend.
+ */
+static void time_graph(ll_case_t *lc, int warmup, int iters, double *times)
+{
+    void *graph = NULL;
+    int cuda = lc->device->backend == EPX_BACKEND_CUDA;
+    if (cuda) {
+        epx__bench_must(lc->rank, epx__bench_graph_begin(lc->device), "graph capture");
+        for (int i = 0; i < LOOP_STEPS; i++) {
+            epx_ll_dispatch_result_t step = run_dispatch(lc, 0);
+            epx_tensor_t x = combine_input(lc, step.handle);
+            run_combine(lc, step.handle, &x, 0);
+        }
+        epx__bench_must(lc->rank, epx__bench_graph_end(lc->device, &graph), "graph capture");
+    }
+    for (int it = -warmup; it < iters; it++) {
+        double d = NAN;
+        if (cuda) {
+            barrier(lc);
+            mark(lc, 0);
+            epx__bench_must(lc->rank, epx__bench_graph_launch(lc->device, graph), "graph launch");
+            mark(lc, 1);
+            read_marks(lc, 2, &d);
+            d /= LOOP_STEPS;
+        }
+        if (it >= 0)
+            times[it] = d;
+    }
+    epx__bench_graph_destroy(graph);
+}
+
 static void time_steps(ll_case_t *lc, int warmup, int iters,
                        double *times[EPX__BENCH_LL_OP_COUNT])
 {
@@ -577,6 +612,7 @@ static void time_steps(ll_case_t *lc, int warmup, int iters,
         }
     }
     time_loops(lc, warmup, iters, times);
+    time_graph(lc, warmup, iters, times[EPX__BENCH_LL_GRAPH_STEP]);
 }
 
 /* ---------------------------------------------------------------- one case */
@@ -666,7 +702,8 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
 
         int is_dispatch = op == EPX__BENCH_LL_DISPATCH || op == EPX__BENCH_LL_DISPATCH_SEND ||
                           op == EPX__BENCH_LL_DISPATCH_RECV || op == EPX__BENCH_LL_LOOP_DISPATCH;
-        int is_step = op == EPX__BENCH_LL_LOOP_STEP || op == EPX__BENCH_LL_LOOP_SPLIT;
+        int is_step = op == EPX__BENCH_LL_LOOP_STEP || op == EPX__BENCH_LL_LOOP_SPLIT ||
+                      op == EPX__BENCH_LL_GRAPH_STEP;
         /* Dispatch: every row sent is read once and written once. Combine: every expert
          * row read once, one reduced row per token written. */
         int64_t dispatch_floor = 2 * sent * dispatch_row;
@@ -741,11 +778,11 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     for (int op = 0; op < EPX__BENCH_LL_OP_COUNT; op++)
         times[op] = my_times + (size_t)op * (size_t)iters;
     time_steps(&lc, context->warmup, iters, times);
-    /* The back-to-back loops end with a split step: its output must still be right. */
+    /* The loops and graph replays end with a plain step: its output must still be right. */
     if (lc.expected_out != NULL &&
         !check_combine(&lc, "combine out after the back-to-back loops", lc.expected_out))
         mine.check[EPX__BENCH_LL_LOOP_STEP] = mine.check[EPX__BENCH_LL_LOOP_SPLIT] =
-            EPX__BENCH_CHECK_FAIL;
+            mine.check[EPX__BENCH_LL_GRAPH_STEP] = EPX__BENCH_CHECK_FAIL;
     free(lc.expected_out);
     lc.expected_out = NULL;
 

@@ -30,7 +30,10 @@ typedef enum {
     EPX__BENCH_LL_LOOP_COMBINE = 7,  /* epx_ll_combine inside the loop */
     EPX__BENCH_LL_LOOP_STEP = 8,     /* a whole step (dispatch + combine) */
     EPX__BENCH_LL_LOOP_SPLIT = 9,    /* a whole step, both ops sent and then received */
-    EPX__BENCH_LL_OP_COUNT = 10,
+    /* Steps captured in a CUDA graph and replayed: the GPU's time, no host in it (CUDA
+     * backend only; the host backend leaves the row empty). */
+    EPX__BENCH_LL_GRAPH_STEP = 10,
+    EPX__BENCH_LL_OP_COUNT = 11,
 } epx__bench_ll_op_t;
 
 const char *epx__bench_ll_op_name(epx__bench_ll_op_t op);

@@ -33,6 +33,8 @@ const char *epx__bench_ll_op_name(epx__bench_ll_op_t op)
         return "step_loop";
     case EPX__BENCH_LL_LOOP_SPLIT:
         return "step_split_loop";
+    case EPX__BENCH_LL_GRAPH_STEP:
+        return "step_graph";
     default:
         return "unknown";
     }

@@ -176,6 +176,64 @@ epx_status_t epx__bench_copy_rows_out(const epx__bench_device_t *device, void *d
     return EPX_SUCCESS;
 }
 
+epx_status_t epx__bench_graph_begin(epx__bench_device_t *device)
+{
+#ifdef EPX_WITH_CUDA
+    if (is_cuda(device)) {
+        CUDA_CALL(cudaStreamBeginCapture((cudaStream_t)device->stream,
+                                         cudaStreamCaptureModeThreadLocal),
+                  "cudaStreamBeginCapture");
+        return EPX_SUCCESS;
+    }
+#endif
+    (void)device;
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+}
+
+epx_status_t epx__bench_graph_end(epx__bench_device_t *device, void **graph)
+{
+    *graph = NULL;
+#ifdef EPX_WITH_CUDA
+    if (is_cuda(device)) {
+        cudaGraph_t captured = NULL;
+        cudaGraphExec_t exec = NULL;
+        CUDA_CALL(cudaStreamEndCapture((cudaStream_t)device->stream, &captured),
+                  "cudaStreamEndCapture");
+        cudaError_t err = cudaGraphInstantiate(&exec, captured, 0);
+        (void)cudaGraphDestroy(captured);
+        CUDA_CALL(err, "cudaGraphInstantiate");
+        *graph = exec;
+        return EPX_SUCCESS;
+    }
+#endif
+    (void)device;
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+}
+
+epx_status_t epx__bench_graph_launch(epx__bench_device_t *device, void *graph)
+{
+#ifdef EPX_WITH_CUDA
+    if (is_cuda(device)) {
+        CUDA_CALL(cudaGraphLaunch((cudaGraphExec_t)graph, (cudaStream_t)device->stream),
+                  "cudaGraphLaunch");
+        return EPX_SUCCESS;
+    }
+#endif
+    (void)device;
+    (void)graph;
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+}
+
+void epx__bench_graph_destroy(void *graph)
+{
+#ifdef EPX_WITH_CUDA
+    if (graph != NULL)
+        (void)cudaGraphExecDestroy((cudaGraphExec_t)graph);
+#else
+    (void)graph;
+#endif
+}
+
 epx_status_t epx__bench_mark(epx__bench_device_t *device, int index)
 {
     if (index < 0 || index >= EPX__BENCH_MAX_MARKS)

@@ -26,6 +26,15 @@ epx_status_t epx__bench_device_init(epx__bench_device_t *device, epx_backend_t b
                                     int device_index);
 void epx__bench_device_fini(epx__bench_device_t *device);
 
+/*
+ * CUDA graphs (CUDA backend only; EPX_ERR_UNSUPPORTED on the host backend): capture
+ * what the bench stream runs between begin and end, then replay it on that stream.
+ */
+epx_status_t epx__bench_graph_begin(epx__bench_device_t *device);
+epx_status_t epx__bench_graph_end(epx__bench_device_t *device, void **graph);
+epx_status_t epx__bench_graph_launch(epx__bench_device_t *device, void *graph);
+void epx__bench_graph_destroy(void *graph);
+
 /* Zeroed memory the backend's operations can read and write (at least one byte). */
 epx_status_t epx__bench_alloc(const epx__bench_device_t *device, size_t bytes, void **data);
 void epx__bench_free(const epx__bench_device_t *device, void *data);

@@ -247,19 +247,20 @@ bench_ll_check)
     expect_rc 0
     expect_out '^# epx bench --mode ll: backend host, 2 ranks, tokens 16 hidden 512 experts 8 topk 4'
     expect_out '^# buffer: .* per rank (epx_buffer_size), .* of it for low latency'
-    expect_count ' PASS$' out 20
+    expect_count ' PASS$' out 22
     expect_count 'FAIL' out 0
     for op in dispatch combine dispatch_send dispatch_recv combine_send combine_recv \
-        dispatch_loop combine_loop step_loop step_split_loop; do
+        dispatch_loop combine_loop step_loop step_split_loop step_graph; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
-        expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
+        # (no CUDA graphs on the host backend: that row has no times)
+        [ "$op" = step_graph ] || expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
     done
     # The standard case's defaults: 128 tokens, fp8 dispatch only.
     run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2
     expect_rc 0
     expect_out '^# epx bench --mode ll: backend host, 1 ranks, tokens 128 hidden 256 experts 4 topk 2'
-    expect_count ' PASS$' out 10
+    expect_count ' PASS$' out 11
     expect_count '^  bf16 ' out 0
     # An epx call that fails: the library's message, and a nonzero status.
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
@@ -270,18 +271,21 @@ bench_ll_json)
     run "$EPX" bench -n 3 --mode ll --tokens 16 --hidden 1024 --experts 12 --topk 4 --ue8m0 \
         --check --json --iters 4
     expect_rc 0
-    expect_count '.' out 10
-    expect_count '^{.*}$' out 10
+    expect_count '.' out 11
+    expect_count '^{.*}$' out 11
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 ops = ["dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
-       "dispatch_loop", "combine_loop", "step_loop", "step_split_loop"]
+       "dispatch_loop", "combine_loop", "step_loop", "step_split_loop", "step_graph"]
 assert [r["op"] for r in rows] == ops, rows
 by_op = {r["op"]: r for r in rows}
 for row in rows:
     assert row["mode"] == "ll" and row["ranks"] == 3 and row["tokens"] == 16, row
+    if row["op"] == "step_graph":  # CUDA graphs: no times on the host backend
+        assert row["median_us"] is None and row["check"] == "PASS", row
+        continue
     assert row["iters"] == 4 and row["dtype"] == "fp8", row
     assert row["round_scale"] == 1 and row["use_ue8m0"] == 1, row
     assert row["check"] == "PASS", row
@@ -312,7 +316,7 @@ for op in ops[2:6]:
 # The loops: the same floors; a whole step has both.
 assert by_op["dispatch_loop"]["floor_bytes"] == dispatch["floor_bytes"]
 assert by_op["combine_loop"]["floor_bytes"] == combine["floor_bytes"]
-for op in ("step_loop", "step_split_loop"):
+for op in ("step_loop", "step_split_loop", "step_graph"):
     assert by_op[op]["floor_bytes"] == dispatch["floor_bytes"] + combine["floor_bytes"]
 PY
     fi

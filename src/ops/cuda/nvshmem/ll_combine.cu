@@ -7,8 +7,8 @@
  * row of x to its home rank's combine staging at [source token][top-k position] (a
  * direct store, or a put from the symmetric combine input); the last block raises the
  * combine flags.
- * Receive (work item = (token, 256 channels) per warp): wait for the expert ranks'
- * flags, out = bf16(sum over j of w_j * y_j) in fp32 with __fmul_rn / __fadd_rn in j
+ * Receive (a warp takes a token's top-k entries once, then chunks of 256 channels of
+ * it): wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32 with __fmul_rn / __fadd_rn in j
  * order (no fused multiply-add, like the host), entries on masked ranks skipped; the
  * last block releases the slot to the expert ranks.
  */
@@ -86,6 +86,29 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         s.seq[slot * 2 + 1] = seq;
 }
 
+/*
+ * Top-k entry j of a token for the reduction: the staging row to read (the first
+ * position naming the same expert, where dispatch sent its one row) and the weight, or
+ * -1 for -1 entries, entries on masked ranks and j >= k.
+ */
+__device__ __forceinline__ void epx_ll_entry(const int64_t *idx, const float *weights, int j,
+                                             int k, int L, const int32_t *ok, int *first,
+                                             float *weight)
+{
+    *first = -1;
+    *weight = 0.0f;
+    if (j >= k)
+        return;
+    const int64_t e = idx[j];
+    if (e < 0 || !ok[e / L])
+        return;
+    int f = 0;
+    while (idx[f] != e)
+        f++;
+    *first = f;
+    *weight = weights[j];
+}
+
 __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_combine_recv_kernel(epx_ll_shape_t s, epx_ll_op_t op)
 {
@@ -98,56 +121,67 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const char *stage = s.sym + s.slot[slot] + s.combine_stage;
     const int64_t chunks = (s.hidden + 255) / 256;
     const int64_t warps = (int64_t)gridDim.x * EPX_LL_WARPS;
+    /* A warp takes one token and every parts-th chunk of it (all warps busy). */
+    int64_t parts = op.tokens > 0 ? warps / op.tokens : 1;
+    parts = parts < 1 ? 1 : (parts > chunks ? chunks : parts);
     for (int64_t item = (int64_t)blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5);
-         item < op.tokens * chunks; item += warps) {
-        const int64_t t = item / chunks;
-        const int64_t channel = (item % chunks) * 256 + (int64_t)lane * 8;
-        if (channel >= s.hidden)
-            continue;
+         item < op.tokens * parts; item += warps) {
+        const int64_t t = item / parts;
         const int64_t *idx = op.topk_idx + t * op.idx_stride;
         const float *weights = op.weights + t * op.weight_stride;
-        float acc[8];
-        for (int i = 0; i < 8; i++)
-            acc[i] = 0.0f;
-        /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
-        for (int j0 = 0; j0 < k; j0 += EPX_LL_BATCH) {
-            int4 raw[EPX_LL_BATCH];
-            float w[EPX_LL_BATCH];
+        /* Lane j's entry: the staging row it reads (the expert's first top-k position),
+         * or -1 when it adds nothing, and its weight. Computed once when k <= 32. */
+        int my_first = -1;
+        float my_weight = 0.0f;
+        if (k <= 32)
+            epx_ll_entry(idx, weights, lane, k, L, ok, &my_first, &my_weight);
+        for (int64_t c = item % parts; c < chunks; c += parts) {
+            const int64_t channel = c * 256 + (int64_t)lane * 8;
+            float acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.0f;
+            for (int j0 = 0; j0 < k; j0 += 32) {
+                int first = my_first;
+                float weight = my_weight;
+                if (k > 32)
+                    epx_ll_entry(idx, weights, j0 + lane, k, L, ok, &first, &weight);
+                const int n = k - j0 < 32 ? k - j0 : 32;
+                /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
+                for (int b0 = 0; b0 < n; b0 += EPX_LL_BATCH) {
+                    int4 raw[EPX_LL_BATCH];
+                    float w[EPX_LL_BATCH];
+                    int f[EPX_LL_BATCH];
 #pragma unroll
-            for (int b = 0; b < EPX_LL_BATCH; b++) {
-                const int j = j0 + b;
-                w[b] = 0.0f;
-                raw[b] = make_int4(0, 0, 0, 0);
-                if (j >= k)
-                    continue;
-                const int64_t e = idx[j];
-                if (e < 0 || !ok[e / L])
-                    continue;
-                int first = 0;
-                while (idx[first] != e)
-                    first++;
-                w[b] = weights[j];
-                raw[b] = epx_ld_nc_v4(stage + ((size_t)(t * k + first) * s.hidden + channel) * 2);
-            }
+                    for (int b = 0; b < EPX_LL_BATCH; b++) {
+                        const int jj = b0 + b < n ? b0 + b : 0;
+                        f[b] = __shfl_sync(0xffffffffu, first, jj);
+                        w[b] = __shfl_sync(0xffffffffu, weight, jj);
+                        if (b0 + b >= n)
+                            f[b] = -1;
+                        raw[b] = make_int4(0, 0, 0, 0);
+                        if (f[b] >= 0 && channel < s.hidden)
+                            raw[b] = epx_ld_nc_v4(
+                                stage + ((size_t)(t * k + f[b]) * s.hidden + channel) * 2);
+                    }
 #pragma unroll
-            for (int b = 0; b < EPX_LL_BATCH; b++) {
-                const int j = j0 + b;
-                if (j >= k)
-                    break;
-                const int64_t e = idx[j];
-                if (e < 0 || !ok[e / L])
-                    continue;
-                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
-                for (int i = 0; i < 8; i++)
-                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
+                    for (int b = 0; b < EPX_LL_BATCH; b++) {
+                        if (f[b] < 0)
+                            continue;
+                        const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
+                        for (int i = 0; i < 8; i++)
+                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
+                    }
+                }
             }
+            if (channel >= s.hidden)
+                continue;
+            int4 packed;
+            __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+            for (int i = 0; i < 8; i++)
+                o[i] = __float2bfloat16_rn(acc[i]);
+            epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel) * 2,
+                      packed);
         }
-        int4 packed;
-        __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-        for (int i = 0; i < 8; i++)
-            o[i] = __float2bfloat16_rn(acc[i]);
-        epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel) * 2,
-                  packed);
     }
 
     if (!epx_ll_last_block(s, s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
