@@ -135,20 +135,24 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         float my_weight = 0.0f;
         if (k <= 32)
             epx_ll_entry(idx, weights, lane, k, L, ok, &my_first, &my_weight);
-        for (int64_t c = item % parts; c < chunks; c += parts) {
-            const int64_t channel = c * 256 + (int64_t)lane * 8;
-            float acc[8];
-            for (int i = 0; i < 8; i++)
-                acc[i] = 0.0f;
+        /* Two chunks at a time: 2 x EPX_LL_BATCH rows in flight per lane. */
+        for (int64_t c = item % parts; c < chunks; c += 2 * parts) {
+            int64_t channel[2];
+            channel[0] = c * 256 + (int64_t)lane * 8;
+            channel[1] = (c + parts) * 256 + (int64_t)lane * 8;
+            const int live1 = c + parts < chunks;
+            float acc[2][8];
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 8; i++)
+                    acc[h][i] = 0.0f;
             for (int j0 = 0; j0 < k; j0 += 32) {
                 int first = my_first;
                 float weight = my_weight;
                 if (k > 32)
                     epx_ll_entry(idx, weights, j0 + lane, k, L, ok, &first, &weight);
                 const int n = k - j0 < 32 ? k - j0 : 32;
-                /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
                 for (int b0 = 0; b0 < n; b0 += EPX_LL_BATCH) {
-                    int4 raw[EPX_LL_BATCH];
+                    int4 raw[2][EPX_LL_BATCH];
                     float w[EPX_LL_BATCH];
                     int f[EPX_LL_BATCH];
 #pragma unroll
@@ -158,29 +162,36 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                         w[b] = __shfl_sync(0xffffffffu, weight, jj);
                         if (b0 + b >= n)
                             f[b] = -1;
-                        raw[b] = make_int4(0, 0, 0, 0);
-                        if (f[b] >= 0 && channel < s.hidden)
-                            raw[b] = epx_ld_nc_v4(
-                                stage + ((size_t)(t * k + f[b]) * s.hidden + channel) * 2);
+                        const char *row = stage + (size_t)(t * k + (f[b] < 0 ? 0 : f[b])) * s.hidden * 2;
+                        raw[0][b] = raw[1][b] = make_int4(0, 0, 0, 0);
+                        if (f[b] >= 0 && channel[0] < s.hidden)
+                            raw[0][b] = epx_ld_nc_v4(row + channel[0] * 2);
+                        if (f[b] >= 0 && live1 && channel[1] < s.hidden)
+                            raw[1][b] = epx_ld_nc_v4(row + channel[1] * 2);
                     }
 #pragma unroll
                     for (int b = 0; b < EPX_LL_BATCH; b++) {
                         if (f[b] < 0)
                             continue;
-                        const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
-                        for (int i = 0; i < 8; i++)
-                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[h][b]);
+                            for (int i = 0; i < 8; i++)
+                                acc[h][i] = __fadd_rn(acc[h][i], __fmul_rn(w[b], __bfloat162float(y[i])));
+                        }
                     }
                 }
             }
-            if (channel >= s.hidden)
-                continue;
-            int4 packed;
-            __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-            for (int i = 0; i < 8; i++)
-                o[i] = __float2bfloat16_rn(acc[i]);
-            epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel) * 2,
-                      packed);
+            for (int h = 0; h < 2; h++) {
+                if (channel[h] >= s.hidden || (h == 1 && !live1))
+                    continue;
+                int4 packed;
+                __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+                for (int i = 0; i < 8; i++)
+                    o[i] = __float2bfloat16_rn(acc[h][i]);
+                epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel[h]) * 2,
+                          packed);
+            }
         }
     }
 

@@ -129,9 +129,11 @@ __device__ __forceinline__ int epx_ll_last_block(const epx_ll_shape_t &s, uint32
 {
     if (s.use_puts && (threadIdx.x & 31) == 0)
         nvshmem_quiet();
-    __threadfence_system();
+    /* The barrier orders the block's stores before thread 0's fence, which is
+     * cumulative (the pattern of cooperative groups' grid sync). */
     __syncthreads();
     if (threadIdx.x == 0) {
+        __threadfence_system();
         uint32_t arrived = atomicAdd(counter, 1u);
         *flag = arrived == gridDim.x - 1;
         if (*flag) {
@@ -171,20 +173,32 @@ __device__ __forceinline__ int epx_ll_find(const int32_t *first, int n, int32_t 
     return lo;
 }
 
-/* 16-byte copy of `bytes` (a multiple of 16) by one warp, four vectors in flight. */
+/* Vectors a lane keeps in flight while copying (16 x 16 bytes x 32 lanes = 8 KB a warp). */
+#define EPX_LL_COPY_DEPTH 16
+
+/*
+ * 16-byte copy of `bytes` (a multiple of 16) by one warp: each lane loads up to
+ * EPX_LL_COPY_DEPTH vectors before it stores them, so a row of a few KB costs one or
+ * two memory round trips instead of one per vector.
+ */
 __device__ __forceinline__ void epx_ll_warp_copy(char *dst, const char *src, size_t bytes, int lane)
 {
-    size_t n = bytes / 16, i = (size_t)lane;
-    for (; i + 96 < n; i += 128) {
-        int4 a = epx_ld_nc_v4(src + i * 16), b = epx_ld_nc_v4(src + (i + 32) * 16);
-        int4 c = epx_ld_nc_v4(src + (i + 64) * 16), d = epx_ld_nc_v4(src + (i + 96) * 16);
-        epx_st_v4(dst + i * 16, a);
-        epx_st_v4(dst + (i + 32) * 16, b);
-        epx_st_v4(dst + (i + 64) * 16, c);
-        epx_st_v4(dst + (i + 96) * 16, d);
+    const size_t n = bytes / 16;
+    for (size_t base = (size_t)lane; base < n; base += 32 * EPX_LL_COPY_DEPTH) {
+        int4 v[EPX_LL_COPY_DEPTH];
+#pragma unroll
+        for (int u = 0; u < EPX_LL_COPY_DEPTH; u++) {
+            const size_t i = base + (size_t)u * 32;
+            if (i < n)
+                v[u] = epx_ld_nc_v4(src + i * 16);
+        }
+#pragma unroll
+        for (int u = 0; u < EPX_LL_COPY_DEPTH; u++) {
+            const size_t i = base + (size_t)u * 32;
+            if (i < n)
+                epx_st_v4(dst + i * 16, v[u]);
+        }
     }
-    for (; i < n; i += 32)
-        epx_st_v4(dst + i * 16, epx_ld_nc_v4(src + i * 16));
 }
 
 #endif /* EPX_OPS_CUDA_NVSHMEM_LL_DEVICE_CUH */

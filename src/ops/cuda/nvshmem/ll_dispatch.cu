@@ -105,6 +105,22 @@ __device__ __forceinline__ int4 epx_ll_cast16(const int4 lo, const int4 hi, int 
     return out;
 }
 
+/* This lane's bf16 input of send item `item` (token c0 + item / chunks): 16 bytes, or 32
+ * for fp8 (16 channels); nothing past hidden. */
+__device__ __forceinline__ void epx_ll_load_item(const epx_ll_op_t &op, int64_t c0, int64_t item,
+                                                 int64_t chunks, int64_t item_channels,
+                                                 int64_t lane_offset, int64_t hidden, int fp8,
+                                                 int4 *lo, int4 *hi)
+{
+    const int64_t channel = (item % chunks) * item_channels + lane_offset;
+    if (channel >= hidden)
+        return;
+    const char *x = reinterpret_cast<const char *>(op.x) + (size_t)(c0 + item / chunks) * op.x_stride * 2;
+    *lo = epx_ld_nc_v4(x + channel * 2);
+    if (fp8)
+        *hi = epx_ld_nc_v4(x + channel * 2 + 16);
+}
+
 __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_dispatch_send_kernel(epx_ll_shape_t s, epx_ll_op_t op)
 {
@@ -171,25 +187,27 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         }
         __syncthreads();
 
-        for (int64_t item = warp; item < (int64_t)n * chunks; item += EPX_LL_WARPS) {
+        /* Software-pipelined: the next item's loads are in flight while this one is
+         * cast and stored. */
+        const int64_t items = (int64_t)n * chunks;
+        const int64_t lane_offset = (int64_t)lane * lane_channels;
+        int4 lo = make_int4(0, 0, 0, 0), hi = lo;
+        if (warp < items)
+            epx_ll_load_item(op, c0, warp, chunks, item_channels, lane_offset, s.hidden, fp8, &lo,
+                             &hi);
+        for (int64_t item = warp; item < items; item += EPX_LL_WARPS) {
+            int4 next_lo = make_int4(0, 0, 0, 0), next_hi = next_lo;
+            if (item + EPX_LL_WARPS < items)
+                epx_ll_load_item(op, c0, item + EPX_LL_WARPS, chunks, item_channels, lane_offset,
+                                 s.hidden, fp8, &next_lo, &next_hi);
             const int tt = (int)(item / chunks);
             const int64_t t = c0 + tt;
-            const int64_t channel = (item % chunks) * item_channels + (int64_t)lane * lane_channels;
-            const int active = channel < s.hidden;
-            const char *x = reinterpret_cast<const char *>(op.x) + (size_t)t * op.x_stride * 2;
-            int4 data = make_int4(0, 0, 0, 0);
+            const int64_t channel = (item % chunks) * item_channels + lane_offset;
             float scale = 0.0f;
-            if (fp8) {
-                int4 lo = make_int4(0, 0, 0, 0), hi = lo;
-                if (active) {
-                    lo = epx_ld_nc_v4(x + channel * 2);
-                    hi = epx_ld_nc_v4(x + channel * 2 + 16);
-                }
-                data = epx_ll_cast16(lo, hi, op.round_scale, &scale);
-            } else if (active) {
-                data = epx_ld_nc_v4(x + channel * 2);
-            }
-            if (!active)
+            const int4 data = fp8 ? epx_ll_cast16(lo, hi, op.round_scale, &scale) : lo;
+            lo = next_lo;
+            hi = next_hi;
+            if (channel >= s.hidden)
                 continue;
             const size_t byte = (size_t)channel * (fp8 ? 1 : 2);
             const int scale_writer = fp8 && (lane & 7) == 0;
