@@ -59,8 +59,8 @@ static void dispatch_views(epx_buffer_t buffer, const epx__cuda_ll_t *ll, int sl
     }
     result->recv_count = epx_tensor_1d(base + s->recv_count, EPX_DTYPE_INT32, L);
     result->recv_src_info = epx_tensor_2d(base + s->recv_src_info, EPX_DTYPE_INT32, L, s->rows);
-    result->recv_layout_range =
-        epx_tensor_2d(base + s->recv_range, EPX_DTYPE_INT64, L, buffer->group->world_size);
+    result->recv_layout_range = epx_tensor_2d(s->sym + s->slot[slot] + s->recv_range,
+                                              EPX_DTYPE_INT64, L, buffer->group->world_size);
     result->num_masked_entries = -1; /* counted on the device only */
 }
 

@@ -14,12 +14,15 @@
  *     flags      uint64 [4 kinds][2 slots][R], sequence numbers (never cleared)
  *     per slot:  stage_count int32 [L][R]; stage_x [cells][x_row_bytes];
  *                stage_scales fp32 [cells][S]; stage_token, stage_topk int32 [cells];
- *                combine_stage bf16 [M][k][hidden]; combine_in bf16 [L][M*R][hidden]
- *                (the zero-copy combine input: symmetric so RDMA can read it in place);
- *                send_x [M][x_row_bytes] + send_scales [M][S] (rows staged for puts).
+ *                combine_stage bf16 [M][k][hidden] (combine by puts only);
+ *                combine_in bf16 [L][M*R][hidden] (the zero-copy combine input: peers
+ *                read it in place); recv_range int64 [L][R] (peers read it to find
+ *                their rows in combine_in); send_x [M][x_row_bytes] + send_scales [M][S]
+ *                (rows staged for puts).
  *   device memory (cudaMalloc; this rank only)
  *     per slot:  recv_x [L][M*R][x_row_bytes / or hidden]; recv_scales; recv_count [L];
- *                recv_src_info, recv_src_rank, recv_topk int32 [L][M*R]; recv_range int64 [L][R]
+ *                recv_src_info, recv_src_rank, recv_topk int32 [L][M*R]; send_pos int32
+ *                [M][k] (row i of each (token, expert) sent, at the receiver's staging)
  *     state:     seq uint64 [2 slots][2] (dispatch, combine; advanced by the send
  *                kernels so CUDA graph replays keep counting), arrive uint32 [2][4]
  *                (last-block counters), mask int32 [R].
@@ -72,10 +75,11 @@ typedef struct {
     size_t flags;
     size_t slot[2];
     size_t stage_count, stage_x, stage_scales, stage_token, stage_topk;
-    size_t combine_stage, combine_in, send_x, send_scales;
+    size_t combine_stage, combine_in, send_x, send_scales, recv_range;
     /* device memory */
     char *local[2];
-    size_t recv_x, recv_scales, recv_count, recv_src_info, recv_src_rank, recv_topk, recv_range;
+    size_t recv_x, recv_scales, recv_count, recv_src_info, recv_src_rank, recv_topk, send_pos;
+    size_t local_slot_bytes;
     uint64_t *seq;      /* [2 slots][2] */
     uint32_t *arrive;   /* [2 slots][4] */
     int32_t *mask;      /* [R] */

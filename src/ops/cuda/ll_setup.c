@@ -98,6 +98,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->combine_in = take(&in_slot, L * rows * H * 2);
     s->send_x = take(&in_slot, (size_t)m * s->x_row_bytes);
     s->send_scales = take(&in_slot, (size_t)m * S * sizeof(float));
+    s->recv_range = take(&in_slot, L * (size_t)R * sizeof(int64_t));
     s->slot[0] = take(&sym, in_slot);
     s->slot[1] = take(&sym, in_slot);
     /* Local: two slots of results, then the state. */
@@ -108,7 +109,8 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->recv_src_info = take(&local_slot, L * rows * sizeof(int32_t));
     s->recv_src_rank = take(&local_slot, L * rows * sizeof(int32_t));
     s->recv_topk = take(&local_slot, L * rows * sizeof(int32_t));
-    s->recv_range = take(&local_slot, L * (size_t)R * sizeof(int64_t));
+    s->send_pos = take(&local_slot, (size_t)m * k * sizeof(int32_t));
+    s->local_slot_bytes = local_slot;
     size_t local = 2 * local_slot;
     local = align_up(local + 4 * sizeof(uint64_t) + 8 * sizeof(uint32_t) +
                      (((size_t)R + 1) * sizeof(int32_t) + 7) / 8 * 8 + (size_t)R * sizeof(char *));
@@ -273,8 +275,7 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
                    "buffer_create: device address of the failure record");
 
     /* Slot results come first (plan order), the state after them. */
-    size_t per_slot = s->recv_range + (size_t)s->num_local * (size_t)R * sizeof(int64_t);
-    per_slot = (per_slot + EPX_LL_ALIGN - 1) / EPX_LL_ALIGN * EPX_LL_ALIGN;
+    size_t per_slot = s->local_slot_bytes;
     s->local[0] = ll->local;
     s->local[1] = ll->local + per_slot;
     char *state = ll->local + 2 * per_slot;

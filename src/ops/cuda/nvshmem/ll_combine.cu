@@ -2,15 +2,20 @@
  * Low-latency combine kernels (docs/LOW_LATENCY.md; src/ops/ref/host_ll_combine.c is
  * the oracle they match).
  *
- * Send (the warps of the grid share the received rows evenly): wait until
- * every unmasked home rank released this slot's previous combine; store each valid
- * row of x to its home rank's combine staging at [source token][top-k position] (a
- * direct store, or a put from the symmetric combine input); the last block raises the
- * combine flags.
- * Receive (a warp takes a token's top-k entries once, then chunks of 256 channels of
- * it): wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32 with __fmul_rn / __fadd_rn in j
- * order (no fused multiply-add, like the host), entries on masked ranks skipped; the
- * last block releases the slot to the expert ranks.
+ * Two ways, chosen per buffer:
+ * - pull (every peer reachable by a pointer: NVLink, or ranks sharing a GPU): each
+ *   byte moves once. Send waits until the home ranks released this slot's previous
+ *   combine, copies x into the symmetric combine input unless x already is it (the
+ *   zero-copy view), and raises the combine flags: "my expert outputs are ready". The
+ *   home rank's receive reads each row where it lies: at the expert's rank, combine
+ *   input [local expert][begin of this rank's rows there + the row's place in them]
+ *   (recv_range of that rank, send_pos of this one).
+ * - push (some peer needs NVSHMEM puts): send puts each row of x into its home rank's
+ *   combine staging at [source token][top-k position]; the receive reads it locally.
+ * Receive (a warp takes a token's top-k entries once, then chunks of 256 channels):
+ * wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32 with
+ * __fmul_rn / __fadd_rn in j order (no fused multiply-add, like the host), entries on
+ * masked ranks skipped; the last block releases the slot to the expert ranks.
  */
 #include <cuda_bf16.h>
 
@@ -58,10 +63,17 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             const int home_rank = reinterpret_cast<const int32_t *>(in + s.recv_src_rank)[row];
             if (!ok[home_rank])
                 continue;
+            const char *from = x + (size_t)row * row_bytes;
+            if (!s.use_puts) {
+                /* Pull: the home ranks read the rows from the combine input. */
+                if (!in_place)
+                    epx_ll_warp_copy(own + s.combine_in + (size_t)row * row_bytes, from,
+                                     row_bytes, lane);
+                continue;
+            }
             const int64_t token = reinterpret_cast<const int32_t *>(in + s.recv_src_info)[row];
             const int64_t j = reinterpret_cast<const int32_t *>(in + s.recv_topk)[row];
             const size_t dst = slot_base + s.combine_stage + (size_t)(token * k + j) * row_bytes;
-            const char *from = x + (size_t)row * row_bytes;
             char *home = s.peer[home_rank];
             if (home != NULL) {
                 epx_ll_warp_copy(home + dst, from, row_bytes, lane);
@@ -87,26 +99,41 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
 }
 
 /*
- * Top-k entry j of a token for the reduction: the staging row to read (the first
- * position naming the same expert, where dispatch sent its one row) and the weight, or
- * -1 for -1 entries, entries on masked ranks and j >= k.
+ * Top-k entry j of token t for the reduction: where its expert's output row lies and
+ * the weight, or NULL for -1 entries, entries on masked ranks and j >= k. A token sent
+ * one row per distinct expert, at the first top-k position naming it.
  */
-__device__ __forceinline__ void epx_ll_entry(const int64_t *idx, const float *weights, int j,
-                                             int k, int L, const int32_t *ok, int *first,
-                                             float *weight)
+__device__ __forceinline__ void epx_ll_entry(const epx_ll_shape_t &s, const epx_ll_op_t &op,
+                                             int64_t t, int j, const int32_t *ok,
+                                             const char **row, float *weight)
 {
-    *first = -1;
+    *row = NULL;
     *weight = 0.0f;
+    const int k = s.topk, L = s.num_local;
     if (j >= k)
         return;
+    const int64_t *idx = op.topk_idx + t * op.idx_stride;
     const int64_t e = idx[j];
-    if (e < 0 || !ok[e / L])
+    const int r = (int)(e / L);
+    if (e < 0 || !ok[r])
         return;
-    int f = 0;
-    while (idx[f] != e)
-        f++;
-    *first = f;
-    *weight = weights[j];
+    int first = 0;
+    while (idx[first] != e)
+        first++;
+    *weight = op.weights[t * op.weight_stride + j];
+    const size_t row_bytes = (size_t)s.hidden * 2, slot_base = s.slot[op.slot];
+    if (s.use_puts) {
+        *row = s.sym + slot_base + s.combine_stage + (size_t)(t * k + first) * row_bytes;
+        return;
+    }
+    /* Pull: this rank's rows at rank r start at recv_range's begin for (expert, me). */
+    const char *peer = s.peer[r] + slot_base;
+    const int local = (int)(e % L);
+    const uint64_t range =
+        epx_ld_volatile_u64(reinterpret_cast<const uint64_t *>(peer + s.recv_range) +
+                            (size_t)local * s.world + s.rank);
+    const int32_t pos = reinterpret_cast<const int32_t *>(s.local[op.slot] + s.send_pos)[t * k + first];
+    *row = peer + s.combine_in + ((size_t)local * s.rows + (range >> 32) + pos) * row_bytes;
 }
 
 __global__ void __launch_bounds__(EPX_LL_THREADS)
@@ -118,7 +145,6 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const uint64_t seq = epx_ll_seq(s, slot, 1);
     epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE, slot, seq, EPX_LL_STAGE_COMBINE, ok);
 
-    const char *stage = s.sym + s.slot[slot] + s.combine_stage;
     const int64_t chunks = (s.hidden + 255) / 256;
     const int64_t warps = (int64_t)gridDim.x * EPX_LL_WARPS;
     /* A warp takes one token and every parts-th chunk of it (all warps busy). */
@@ -127,71 +153,58 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     for (int64_t item = (int64_t)blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5);
          item < op.tokens * parts; item += warps) {
         const int64_t t = item / parts;
-        const int64_t *idx = op.topk_idx + t * op.idx_stride;
-        const float *weights = op.weights + t * op.weight_stride;
-        /* Lane j's entry: the staging row it reads (the expert's first top-k position),
-         * or -1 when it adds nothing, and its weight. Computed once when k <= 32. */
-        int my_first = -1;
+        /* Lane j's entry: the row it reads, or NULL when it adds nothing, and its
+         * weight. Computed once when k <= 32. */
+        const char *my_row = NULL;
         float my_weight = 0.0f;
         if (k <= 32)
-            epx_ll_entry(idx, weights, lane, k, L, ok, &my_first, &my_weight);
-        /* Two chunks at a time: 2 x EPX_LL_BATCH rows in flight per lane. */
-        for (int64_t c = item % parts; c < chunks; c += 2 * parts) {
-            int64_t channel[2];
-            channel[0] = c * 256 + (int64_t)lane * 8;
-            channel[1] = (c + parts) * 256 + (int64_t)lane * 8;
-            const int live1 = c + parts < chunks;
-            float acc[2][8];
-            for (int h = 0; h < 2; h++)
-                for (int i = 0; i < 8; i++)
-                    acc[h][i] = 0.0f;
+            epx_ll_entry(s, op, t, lane, ok, &my_row, &my_weight);
+        for (int64_t c = item % parts; c < chunks; c += parts) {
+            const int64_t channel = c * 256 + (int64_t)lane * 8;
+            float acc[8];
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.0f;
             for (int j0 = 0; j0 < k; j0 += 32) {
-                int first = my_first;
+                const char *row = my_row;
                 float weight = my_weight;
                 if (k > 32)
-                    epx_ll_entry(idx, weights, j0 + lane, k, L, ok, &first, &weight);
+                    epx_ll_entry(s, op, t, j0 + lane, ok, &row, &weight);
                 const int n = k - j0 < 32 ? k - j0 : 32;
+                /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
                 for (int b0 = 0; b0 < n; b0 += EPX_LL_BATCH) {
-                    int4 raw[2][EPX_LL_BATCH];
+                    int4 raw[EPX_LL_BATCH];
                     float w[EPX_LL_BATCH];
-                    int f[EPX_LL_BATCH];
+                    const char *src[EPX_LL_BATCH];
 #pragma unroll
                     for (int b = 0; b < EPX_LL_BATCH; b++) {
                         const int jj = b0 + b < n ? b0 + b : 0;
-                        f[b] = __shfl_sync(0xffffffffu, first, jj);
+                        src[b] = reinterpret_cast<const char *>(__shfl_sync(
+                            0xffffffffu, reinterpret_cast<unsigned long long>(row), jj));
                         w[b] = __shfl_sync(0xffffffffu, weight, jj);
                         if (b0 + b >= n)
-                            f[b] = -1;
-                        const char *row = stage + (size_t)(t * k + (f[b] < 0 ? 0 : f[b])) * s.hidden * 2;
-                        raw[0][b] = raw[1][b] = make_int4(0, 0, 0, 0);
-                        if (f[b] >= 0 && channel[0] < s.hidden)
-                            raw[0][b] = epx_ld_nc_v4(row + channel[0] * 2);
-                        if (f[b] >= 0 && live1 && channel[1] < s.hidden)
-                            raw[1][b] = epx_ld_nc_v4(row + channel[1] * 2);
+                            src[b] = NULL;
+                        raw[b] = make_int4(0, 0, 0, 0);
+                        if (src[b] != NULL && channel < s.hidden)
+                            raw[b] = epx_ld_nc_v4(src[b] + channel * 2);
                     }
 #pragma unroll
                     for (int b = 0; b < EPX_LL_BATCH; b++) {
-                        if (f[b] < 0)
+                        if (src[b] == NULL)
                             continue;
-#pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[h][b]);
-                            for (int i = 0; i < 8; i++)
-                                acc[h][i] = __fadd_rn(acc[h][i], __fmul_rn(w[b], __bfloat162float(y[i])));
-                        }
+                        const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
+                        for (int i = 0; i < 8; i++)
+                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
                     }
                 }
             }
-            for (int h = 0; h < 2; h++) {
-                if (channel[h] >= s.hidden || (h == 1 && !live1))
-                    continue;
-                int4 packed;
-                __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-                for (int i = 0; i < 8; i++)
-                    o[i] = __float2bfloat16_rn(acc[h][i]);
-                epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel[h]) * 2,
-                          packed);
-            }
+            if (channel >= s.hidden)
+                continue;
+            int4 packed;
+            __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+            for (int i = 0; i < 8; i++)
+                o[i] = __float2bfloat16_rn(acc[i]);
+            epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)t * op.out_stride + channel) * 2,
+                      packed);
         }
     }
 

@@ -17,7 +17,7 @@
 #include "ops/cuda/device.cuh"
 #include "ops/cuda/ll_plugin.h"
 
-#define EPX_LL_THREADS 512
+#define EPX_LL_THREADS 1024
 #define EPX_LL_WARPS (EPX_LL_THREADS / 32)
 
 /* Index of the arrival counters (shape.arrive[slot * 4 + which]). */
@@ -173,8 +173,8 @@ __device__ __forceinline__ int epx_ll_find(const int32_t *first, int n, int32_t 
     return lo;
 }
 
-/* Vectors a lane keeps in flight while copying (16 x 16 bytes x 32 lanes = 8 KB a warp). */
-#define EPX_LL_COPY_DEPTH 16
+/* Vectors a lane keeps in flight while copying (8 x 16 bytes x 32 lanes = 4 KB a warp). */
+#define EPX_LL_COPY_DEPTH 8
 
 /*
  * 16-byte copy of `bytes` (a multiple of 16) by one warp: each lane loads up to

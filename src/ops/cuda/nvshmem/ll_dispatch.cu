@@ -186,6 +186,10 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             }
         }
         __syncthreads();
+        /* Kept for combine, which reads each row back from where the expert's rank put it. */
+        int32_t *send_pos = reinterpret_cast<int32_t *>(s.local[slot] + s.send_pos) + c0 * k;
+        for (int i = threadIdx.x; i < n * k; i += blockDim.x)
+            send_pos[i] = chunk_expert[i] >= 0 ? chunk_row[i] : -1;
 
         /* Software-pipelined: the next item's loads are in flight while this one is
          * cast and stored. */
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             const int e = i / R, src = i % R;
             const int64_t begin = first[e * (R + 1) + src];
             const int64_t count = first[e * (R + 1) + src + 1] - begin;
-            reinterpret_cast<int64_t *>(out + s.recv_range)[i] =
+            reinterpret_cast<int64_t *>(s.sym + s.slot[slot] + s.recv_range)[i] =
                 (int64_t)(((uint64_t)begin << 32) | (uint64_t)count);
         }
         for (int e = threadIdx.x; e < L; e += blockDim.x)
