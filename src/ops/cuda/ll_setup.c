@@ -59,10 +59,11 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
                          (long long)config->hidden);
     /* The kernels' shared memory (ll_dispatch.cu): the send's histogram and chunk
      * tables, the receive's table of first rows. */
-    int topk = config->num_topk, chunk = 2048 / topk < 1 ? 1 : (2048 / topk > 32 ? 32 : 2048 / topk);
-    /* (+ up to 4096 cached routing entries of 8 bytes) */
-    size_t send_smem =
-        ((size_t)config->num_experts + 2 * (size_t)chunk * (size_t)topk + (size_t)R) * 4 + 4096 * 8;
+    int topk = config->num_topk, chunk = 1024 / topk < 1 ? 1 : (1024 / topk > 32 ? 32 : 1024 / topk);
+    /* (+ up to 2048 cached routing entries of 8 bytes, + two pointers per chunk entry) */
+    size_t entries = (size_t)chunk * (size_t)topk;
+    size_t send_smem = ((size_t)config->num_experts + 2 * entries + (size_t)R) * 4 + 2048 * 8 +
+                       2 * entries * 8;
     size_t recv_smem = ((size_t)R + (size_t)(config->num_experts / R) * ((size_t)R + 2) + 1) * 4;
     size_t smem = send_smem > recv_smem ? send_smem : recv_smem;
     if (smem > 48 * 1024)

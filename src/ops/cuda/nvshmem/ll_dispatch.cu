@@ -23,12 +23,12 @@
 /* Tokens a send block places at a time (bounded so shared memory stays small). */
 __host__ __device__ __forceinline__ int epx_ll_chunk_tokens(int topk)
 {
-    int c = 2048 / topk;
+    int c = 1024 / topk;
     return c < 1 ? 1 : (c > 32 ? 32 : c);
 }
 
 /* Routing entries the send kernel copies to shared memory (else it reads them in place). */
-#define EPX_LL_CACHED_ENTRIES 4096
+#define EPX_LL_CACHED_ENTRIES 2048
 
 __host__ __device__ __forceinline__ int epx_ll_cache_routing(int64_t tokens, int topk)
 {
@@ -36,15 +36,17 @@ __host__ __device__ __forceinline__ int epx_ll_cache_routing(int64_t tokens, int
 }
 
 /*
- * Shared memory of the send kernel: the routing when cached (int64, first, 8-aligned),
- * hist [E], chunk experts + rows [2][C*k], ok [R].
+ * Shared memory of the send kernel, 8-byte items first: the routing when cached (int64),
+ * the chunk's destinations (row and scales pointers, [2][C*k]); then int32: hist [E],
+ * chunk experts + rows [2][C*k], ok [R].
  */
 __host__ __device__ __forceinline__ size_t epx_ll_send_smem(int experts, int topk, int world,
                                                             int64_t tokens)
 {
+    size_t entries = (size_t)epx_ll_chunk_tokens(topk) * (size_t)topk;
     size_t routing = epx_ll_cache_routing(tokens, topk) ? (size_t)(tokens * topk) * 8 : 0;
-    return routing + ((size_t)experts + 2 * (size_t)epx_ll_chunk_tokens(topk) * (size_t)topk +
-                      (size_t)world) * sizeof(int32_t);
+    return routing + 2 * entries * 8 +
+           ((size_t)experts + 2 * entries + (size_t)world) * sizeof(int32_t);
 }
 
 /* Shared memory of the receive kernel: ok [R], first rows [L][R + 1], [L + 1]. */
@@ -135,7 +137,11 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x)
             smem64[i] = op.topk_idx[(i / k) * op.idx_stride + i % k];
     }
-    int32_t *smem = reinterpret_cast<int32_t *>(smem64 + (cached ? T * k : 0));
+    /* Where each (token, expert) of the chunk goes: its row and its scales at the
+     * receiver, NULL when not stored directly (skipped, masked, or sent by a put). */
+    char **dst_row = reinterpret_cast<char **>(smem64 + (cached ? T * k : 0));
+    float **dst_scales = reinterpret_cast<float **>(dst_row + C * k);
+    int32_t *smem = reinterpret_cast<int32_t *>(dst_scales + C * k);
     int32_t *hist = smem;
     int32_t *chunk_expert = hist + s.num_experts; /* [C][k] expert of a first occurrence, or -1 */
     int32_t *chunk_row = chunk_expert + C * k;    /* [C][k] row at the receiver */
@@ -186,10 +192,29 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             }
         }
         __syncthreads();
-        /* Kept for combine, which reads each row back from where the expert's rank put it. */
+        /* Each entry's destination once (the header goes now), and its place kept for
+         * combine, which reads the row back where the expert's rank put it. */
         int32_t *send_pos = reinterpret_cast<int32_t *>(s.local[slot] + s.send_pos) + c0 * k;
-        for (int i = threadIdx.x; i < n * k; i += blockDim.x)
-            send_pos[i] = chunk_expert[i] >= 0 ? chunk_row[i] : -1;
+        for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+            const int e = chunk_expert[i];
+            send_pos[i] = e >= 0 ? chunk_row[i] : -1;
+            dst_row[i] = NULL;
+            dst_scales[i] = NULL;
+            if (e < 0)
+                continue;
+            const int r = e / L;
+            char *base = s.peer[r];
+            if (!ok[r] || base == NULL)
+                continue;
+            const int64_t cell = ((int64_t)(e % L) * R + me) * s.max_tokens + chunk_row[i];
+            char *dst = base + slot_base;
+            dst_row[i] = dst + s.stage_x + (size_t)cell * s.x_row_bytes;
+            if (fp8)
+                dst_scales[i] = reinterpret_cast<float *>(dst + s.stage_scales) + cell * S;
+            reinterpret_cast<int32_t *>(dst + s.stage_token)[cell] = (int32_t)(c0 + i / k);
+            reinterpret_cast<int32_t *>(dst + s.stage_topk)[cell] = i % k;
+        }
+        __syncthreads();
 
         /* Software-pipelined: the next item's loads are in flight while this one is
          * cast and stored. */
@@ -222,23 +247,15 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                 if (scale_writer)
                     reinterpret_cast<float *>(own + s.send_scales)[t * S + group] = scale;
             }
+            char *const *rows = dst_row + tt * k;
+            float *const *scales = dst_scales + tt * k;
             for (int j = 0; j < k; j++) {
-                const int e = chunk_expert[tt * k + j];
-                if (e < 0)
+                char *row = rows[j];
+                if (row == NULL)
                     continue;
-                const int r = e / L;
-                char *base = s.peer[r];
-                if (!ok[r] || base == NULL)
-                    continue;
-                const int64_t cell = ((int64_t)(e % L) * R + me) * s.max_tokens + chunk_row[tt * k + j];
-                char *dst = base + slot_base;
-                epx_st_v4(dst + s.stage_x + (size_t)cell * s.x_row_bytes + byte, data);
+                epx_st_v4(row + byte, data);
                 if (scale_writer)
-                    reinterpret_cast<float *>(dst + s.stage_scales)[cell * S + group] = scale;
-                if (channel == 0) {
-                    reinterpret_cast<int32_t *>(dst + s.stage_token)[cell] = (int32_t)t;
-                    reinterpret_cast<int32_t *>(dst + s.stage_topk)[cell] = j;
-                }
+                    scales[j][group] = scale;
             }
         }
         __syncthreads();
