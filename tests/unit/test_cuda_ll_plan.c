@@ -1,0 +1,167 @@
+/*
+ * The CUDA backend's low-latency memory plan (src/ops/cuda/ll_setup.c), which needs no
+ * GPU: every region of the symmetric heap and of the local memory aligned, in order,
+ * not overlapping and large enough; both slots alike; what epx_buffer_size adds for it;
+ * the configs it refuses, each naming why.
+ */
+#include <stdio.h>
+
+#include "test_util.h"
+
+#ifdef EPX_WITH_CUDA
+#include "ops/cuda/cuda_backend.h"
+#include "ops/cuda/ll.h"
+
+typedef struct {
+    size_t offset, bytes;
+} region_t;
+
+static struct epx_group make_group(int rank, int world)
+{
+    struct epx_group g;
+    memset(&g, 0, sizeof(g));
+    g.rank = rank;
+    g.world_size = world;
+    g.ranks_per_node = world;
+    g.backend = EPX_BACKEND_CUDA;
+    g.timeout_ms = 1000;
+    return g;
+}
+
+static epx_buffer_config_t make_config(int64_t m, int64_t hidden, int experts, int topk)
+{
+    epx_buffer_config_t c = EPX_BUFFER_CONFIG_INIT;
+    c.max_tokens_per_rank = m > 0 ? m : 16;
+    c.max_low_latency_tokens = m;
+    c.hidden = hidden;
+    c.num_experts = experts;
+    c.num_topk = topk;
+    c.num_sms = 16;
+    return c;
+}
+
+/* Regions in the given order: each aligned to 256 bytes and after the previous one. */
+static size_t check_regions(const region_t *regions, size_t count)
+{
+    size_t end = 0;
+    for (size_t i = 0; i < count; i++) {
+        CHECK_EQ_INT(regions[i].offset % 256, 0);
+        CHECK(regions[i].offset >= end);
+        end = regions[i].offset + regions[i].bytes;
+    }
+    return end;
+}
+
+static void check_plan(int world, int64_t m, int64_t hidden, int experts, int topk)
+{
+    struct epx_group g = make_group(world - 1, world);
+    epx_buffer_config_t c = make_config(m, hidden, experts, topk);
+    epx_ll_shape_t s;
+    size_t sym = 0, local = 0;
+    CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
+    size_t L = (size_t)(experts / world), rows = (size_t)(m * world), H = (size_t)hidden;
+    size_t S = hidden % 128 == 0 ? H / 128 : 0, cells = L * (size_t)world * (size_t)m;
+    CHECK_EQ_INT(s.rows, (int64_t)rows);
+    CHECK_EQ_INT(s.num_local, (int64_t)L);
+    CHECK_EQ_INT(s.scale_cols, (int64_t)S);
+    CHECK_EQ_INT(s.x_row_bytes, H * 2);
+    CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
+    CHECK_EQ_INT(s.blocks, 16);
+
+    /* Symmetric heap: the flags, then two slots with the same inner layout. */
+    region_t slot_regions[] = {
+        {s.stage_count, L * (size_t)world * 4},
+        {s.stage_x, cells * H * 2},
+        {s.stage_scales, cells * S * 4},
+        {s.stage_token, cells * 4},
+        {s.stage_topk, cells * 4},
+        {s.combine_stage, (size_t)m * (size_t)topk * H * 2},
+        {s.combine_in, L * rows * H * 2},
+        {s.send_x, (size_t)m * H * 2},
+        {s.send_scales, (size_t)m * S * 4},
+        {s.recv_range, L * (size_t)world * 8},
+    };
+    size_t slot_bytes = check_regions(slot_regions, sizeof(slot_regions) / sizeof(slot_regions[0]));
+    region_t heap[] = {
+        {s.flags, 4 * 2 * (size_t)world * 8},
+        {s.slot[0], slot_bytes},
+        {s.slot[1], slot_bytes},
+    };
+    CHECK(check_regions(heap, 3) <= sym);
+    /* The zero-copy combine input is read with 16-byte vectors. */
+    CHECK_EQ_INT((s.slot[1] + s.combine_in) % 16, 0);
+
+    /* Local memory: two slots of results, then the state. */
+    region_t local_regions[] = {
+        {s.recv_x, L * rows * H * 2},
+        {s.recv_scales, L * rows * S * 4},
+        {s.recv_count, L * 4},
+        {s.recv_src_info, L * rows * 4},
+        {s.recv_src_rank, L * rows * 4},
+        {s.recv_topk, L * rows * 4},
+        {s.send_pos, (size_t)m * (size_t)topk * 4},
+    };
+    size_t results = check_regions(local_regions, sizeof(local_regions) / sizeof(local_regions[0]));
+    CHECK(s.local_slot_bytes >= results);
+    CHECK_EQ_INT(s.local_slot_bytes % 256, 0);
+    size_t state = 4 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8;
+    CHECK(local >= 2 * s.local_slot_bytes + state);
+
+    /* epx_buffer_size counts it on top of normal mode's part. */
+    size_t with = 0, without = 0;
+    CHECK_OK(epx__cuda_backend.buffer_size(&g, &c, &with));
+    c.max_low_latency_tokens = 0;
+    CHECK_OK(epx__cuda_backend.buffer_size(&g, &c, &without));
+    CHECK_EQ_INT(with - without, sym + local);
+}
+
+/* The standard low-latency case: what docs/PERFORMANCE.md reports for memory. */
+static void check_standard_case(void)
+{
+    struct epx_group g = make_group(0, 8);
+    epx_buffer_config_t c = make_config(128, 7168, 256, 8);
+    epx_ll_shape_t s;
+    size_t sym = 0, local = 0;
+    CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
+    CHECK(sym > 1920000000u && sym < 1935000000u);
+    CHECK(local > 950000000u && local < 970000000u);
+}
+
+static void check_refusals(void)
+{
+    epx_ll_shape_t s;
+    size_t sym = 0, local = 0;
+    struct epx_group g = make_group(0, 2);
+    /* Low-latency off: nothing planned, nothing refused. */
+    epx_buffer_config_t off = make_config(0, 100, 4, 2);
+    CHECK_OK(epx__cuda_ll_plan(&g, &off, &s, &sym, &local));
+    CHECK_EQ_INT(sym, 0);
+    CHECK_EQ_INT(local, 0);
+    /* 16-byte vectors: hidden must be a multiple of 8. */
+    epx_buffer_config_t odd = make_config(16, 100, 4, 2);
+    CHECK_STATUS(epx__cuda_ll_plan(&g, &odd, &s, &sym, &local), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("multiple of 8");
+    /* The send kernel's shared memory bounds the experts. */
+    epx_buffer_config_t many = make_config(16, 256, 20000, 2);
+    CHECK_STATUS(epx__cuda_ll_plan(&g, &many, &s, &sym, &local), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("experts");
+}
+
+int main(void)
+{
+    check_plan(8, 128, 7168, 256, 8);
+    check_plan(1, 1, 8, 1, 1);
+    check_plan(3, 7, 136, 9, 9);     /* hidden not a multiple of 128: no scales; topk = E */
+    check_plan(2, 33, 1024, 64, 40); /* more than 32 top-k entries */
+    check_standard_case();
+    check_refusals();
+    printf("test_cuda_ll_plan: ok\n");
+    return 0;
+}
+#else
+int main(void)
+{
+    printf("test_cuda_ll_plan: skipped (built without the CUDA backend)\n");
+    return 0;
+}
+#endif
