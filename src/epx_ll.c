@@ -32,6 +32,33 @@ static epx_status_t ll_fail(epx_buffer_t buffer, int slot, epx_status_t status)
     return epx__buffer_fail(buffer, status);
 }
 
+void epx__ll_dispatch_views(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args, void *recv_x,
+                            void *recv_scales, void *recv_count, void *src_info, void *range,
+                            epx_ll_dispatch_result_t *result)
+{
+    int64_t num_local = buffer->num_local_experts, hidden = buffer->config.hidden;
+    int64_t rows = buffer->config.max_low_latency_tokens * buffer->group->world_size;
+    epx_tensor_t t = EPX_TENSOR_NONE;
+    t.ndim = 3;
+    t.shape[0] = num_local;
+    t.shape[1] = rows;
+    t.shape[2] = hidden;
+    t.data = recv_x;
+    t.dtype = args->use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    result->recv_x = t;
+    result->recv_x_scales = (epx_tensor_t)EPX_TENSOR_NONE;
+    if (args->use_fp8) {
+        t.data = recv_scales;
+        t.dtype = args->use_ue8m0 ? EPX_DTYPE_INT32 : EPX_DTYPE_FP32;
+        t.shape[2] = args->use_ue8m0 ? hidden / 512 : hidden / 128;
+        result->recv_x_scales = t;
+    }
+    result->recv_count = epx_tensor_1d(recv_count, EPX_DTYPE_INT32, num_local);
+    result->recv_src_info = epx_tensor_2d(src_info, EPX_DTYPE_INT32, num_local, rows);
+    result->recv_layout_range =
+        epx_tensor_2d(range, EPX_DTYPE_INT64, num_local, buffer->group->world_size);
+}
+
 static const char *ll_state_name(epx__ll_slot_state_t state)
 {
     switch (state) {

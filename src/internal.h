@@ -171,6 +171,16 @@ epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
 /* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
 void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
 
+/*
+ * A low-latency dispatch's result views, laid out alike by every backend (M * R rows per
+ * local expert): recv_x [L, M*R, hidden] bf16 or fp8, scales (fp8 only: fp32
+ * [L, M*R, hidden/128], or UE8M0 int32 [L, M*R, hidden/512]), recv_count [L] int32,
+ * src_info [L, M*R] int32, layout ranges [L, R] int64. Sets the tensors only.
+ */
+void epx__ll_dispatch_views(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args, void *recv_x,
+                            void *recv_scales, void *recv_count, void *src_info, void *range,
+                            epx_ll_dispatch_result_t *result);
+
 /* ---------------------------------------------------------------- validation */
 
 /* Element at [i][j] of a 2-d tensor with its strides resolved (contiguous if 0). */

@@ -41,26 +41,9 @@ static void dispatch_views(epx_buffer_t buffer, const epx__cuda_ll_t *ll, int sl
 {
     const epx_ll_shape_t *s = &ll->shape;
     char *base = s->local[slot];
-    int64_t L = s->num_local, hidden = s->hidden;
-    epx_tensor_t t = EPX_TENSOR_NONE;
-    t.ndim = 3;
-    t.shape[0] = L;
-    t.shape[1] = s->rows;
-    t.shape[2] = hidden;
-    t.data = base + s->recv_x;
-    t.dtype = args->use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-    result->recv_x = t;
-    result->recv_x_scales = (epx_tensor_t)EPX_TENSOR_NONE;
-    if (args->use_fp8) {
-        t.data = base + s->recv_scales;
-        t.dtype = args->use_ue8m0 ? EPX_DTYPE_INT32 : EPX_DTYPE_FP32;
-        t.shape[2] = args->use_ue8m0 ? hidden / 512 : hidden / 128;
-        result->recv_x_scales = t;
-    }
-    result->recv_count = epx_tensor_1d(base + s->recv_count, EPX_DTYPE_INT32, L);
-    result->recv_src_info = epx_tensor_2d(base + s->recv_src_info, EPX_DTYPE_INT32, L, s->rows);
-    result->recv_layout_range = epx_tensor_2d(s->sym + s->slot[slot] + s->recv_range,
-                                              EPX_DTYPE_INT64, L, buffer->group->world_size);
+    epx__ll_dispatch_views(buffer, args, base + s->recv_x, base + s->recv_scales,
+                           base + s->recv_count, base + s->recv_src_info,
+                           s->sym + s->slot[slot] + s->recv_range, result);
     result->num_masked_entries = -1; /* counted on the device only */
 }
 

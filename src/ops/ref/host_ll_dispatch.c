@@ -18,33 +18,15 @@
 #include "ops/ref/host_ll.h"
 
 /* The result views of a slot (contents valid after the receive). */
-static void epx__ll_dispatch_views(epx_buffer_t buffer, epx__host_ll_t *ll, int slot,
-                                   const epx_ll_dispatch_args_t *args,
-                                   epx_ll_dispatch_result_t *result)
+static void epx__ll_dispatch_views_host(epx_buffer_t buffer, epx__host_ll_t *ll, int slot,
+                                        const epx_ll_dispatch_args_t *args,
+                                        epx_ll_dispatch_result_t *result)
 {
     const epx__host_ll_layout_t *l = &ll->layout;
     char *base = epx__host_ll_slot(ll, buffer->group->rank, slot);
-    int64_t num_local = buffer->num_local_experts, hidden = buffer->config.hidden;
-    epx_tensor_t t = EPX_TENSOR_NONE;
-    t.ndim = 3;
-    t.shape[0] = num_local;
-    t.shape[1] = l->rows;
-    t.data = base + l->recv_x;
-    t.dtype = args->use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-    t.shape[2] = hidden;
-    result->recv_x = t;
-    result->recv_x_scales = (epx_tensor_t)EPX_TENSOR_NONE;
-    if (args->use_fp8) {
-        t.data = base + l->recv_scales;
-        t.dtype = args->use_ue8m0 ? EPX_DTYPE_INT32 : EPX_DTYPE_FP32;
-        t.shape[2] = args->use_ue8m0 ? hidden / 512 : hidden / 128;
-        result->recv_x_scales = t;
-    }
-    result->recv_count = epx_tensor_1d(base + l->recv_count, EPX_DTYPE_INT32, num_local);
-    result->recv_src_info =
-        epx_tensor_2d(base + l->recv_src_info, EPX_DTYPE_INT32, num_local, l->rows);
-    result->recv_layout_range = epx_tensor_2d(base + l->recv_range, EPX_DTYPE_INT64, num_local,
-                                              buffer->group->world_size);
+    epx__ll_dispatch_views(buffer, args, base + l->recv_x, base + l->recv_scales,
+                           base + l->recv_count, base + l->recv_src_info, base + l->recv_range,
+                           result);
 }
 
 /* Does expert `e` appear in idx[0..j-1]? (one row per distinct expert of a token) */
@@ -125,7 +107,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
             counts[local * world + me] = ll->send_counts[r * num_local + local];
         epx__shm_flag_store(epx__host_ll_flag(ll, r, EPX__LL_FLAG_DISPATCH, slot, me), seq);
     }
-    epx__ll_dispatch_views(buffer, ll, slot, args, result);
+    epx__ll_dispatch_views_host(buffer, ll, slot, args, result);
     result->num_masked_entries = s->masked_entries;
     return peer_status;
 }
