@@ -35,6 +35,18 @@ foreach(ranks 1 2 4)
                        LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
 endforeach()
 
+# JAX arrays through DLPack (CPU backend); scripts/setup installs jax[cpu]. Without jax
+# every test skips (reported as Skipped, not Passed).
+foreach(ranks 1 2)
+  add_test(NAME python.jax.n${ranks}
+           COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks} -- -q -rs
+                   ${EPX_PY_TESTS}/test_jax.py
+           WORKING_DIRECTORY ${EPX_PY_ROOT})
+  set_tests_properties(python.jax.n${ranks} PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
+                       SKIP_REGULAR_EXPRESSION "jax is not installed"
+                       LABELS "python;multirank;jax" ENVIRONMENT "${EPX_PY_ENV}")
+endforeach()
+
 foreach(ranks 2 4)
   add_test(NAME python.example.moe_layer.n${ranks}
            COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks}

@@ -9,6 +9,7 @@ Frameworks are imported only when a caller's tensor comes from them.
 import importlib
 
 from . import _capi, _dlpack
+from .errors import invalid_argument
 
 # epx dtype -> (DLPack code, bits) for a tensor a framework can import natively, and the
 # raw unsigned integer type of the same width for frameworks that cannot.
@@ -221,8 +222,22 @@ class JaxFramework(Framework):
         return tuple(tensor.__dlpack_device__())
 
     def from_view(self, view, dtype, raw):
-        # A copy: a JAX array must never change under the program's feet.
-        return self.jnp.array(self.numpy.from_view(view, dtype, raw), copy=True)
+        # A copy, finished before this returns: a JAX array must never change under the
+        # program's feet, and later operations rewrite the buffer memory. jnp.array(copy=
+        # True) copies; block_until_ready() waits until it has read the buffer, for JAX
+        # versions that copy host memory asynchronously (0.10 copies within the call).
+        host = self.numpy.from_view(view, dtype, raw)
+        array = self.jnp.array(host, copy=True)
+        if array.dtype != host.dtype:
+            # Without jax_enable_x64, JAX silently narrows int64 to int32, which would
+            # destroy values such as layout_range's (begin << 32 | count).
+            raise invalid_argument(
+                "an output of dtype %s (shape %s) cannot be a JAX array with "
+                "jax_enable_x64 off: JAX would narrow it to %s and change its values; call "
+                "jax.config.update(\"jax_enable_x64\", True) before using epx with JAX"
+                % (host.dtype, list(host.shape), array.dtype))
+        array.block_until_ready()
+        return array
 
     def empty(self, shape, dtype, raw, device, like):
         return self.numpy.empty(shape, dtype, raw, device, like)

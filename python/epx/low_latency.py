@@ -86,6 +86,17 @@ class LowLatencyMixin:
             return None
         return handle
 
+    def _ll_check_jax(self, call, return_recv_hook, out=None):
+        """JAX arrays are immutable and JAX outputs are copies made when the call returns
+        (_frameworks.JaxFramework): a receive hook cannot fill them in later, and epx must
+        not write into a caller's JAX array."""
+        if return_recv_hook and call.framework is not None and call.framework.name == "jax":
+            call.fail("return_recv_hook=True cannot be used with JAX arrays: JAX outputs are "
+                      "copies made when the call returns, before hook() receives the data")
+        if out is not None and _frameworks.of(out).name == "jax":
+            call.fail("out cannot be a JAX array: JAX arrays are immutable; leave out=None "
+                      "and use the array returned")
+
     def _ll_hook(self, handle, stream, what, keepalive):
         """The receive hook of one SEND_ONLY operation: calls epx_ll_receive.
 
@@ -139,6 +150,7 @@ class LowLatencyMixin:
         x_arg = call.tensor(x, "x", required=True)
         idx_arg = call.tensor(topk_idx, "topk_idx", required=True)
         self._ll_check_shape(call, num_max_dispatch_tokens_per_rank, num_experts)
+        self._ll_check_jax(call, return_recv_hook)
         for name, value in (("cumulative_local_expert_recv_stats",
                              cumulative_local_expert_recv_stats),
                             ("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)):
@@ -224,6 +236,7 @@ class LowLatencyMixin:
         idx_arg = call.tensor(topk_idx, "topk_idx", required=True)
         weights_arg = call.tensor(topk_weights, "topk_weights", required=True)
         out_arg = call.tensor(out, "out")
+        self._ll_check_jax(call, return_recv_hook, out)
         if call.problems:
             raise call.problems[0]
 
