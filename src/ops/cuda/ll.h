@@ -44,6 +44,13 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
 /* NULL-safe. `healthy` = every peer is known to be alive (the free is collective). */
 void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy);
 
+/*
+ * Find and load the NVSHMEM plugin as a low-latency buffer would (EPX_NVSHMEM_PLUGIN,
+ * beside libepx, the build directory): its path and the NVSHMEM version linked into it.
+ * Loads libnvshmem_host and the CUDA runtime, calls neither. For `epx doctor`.
+ */
+epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3]);
+
 /* A device-side low-latency failure, once, as buffer->ll_peer_error (not a poison). */
 void epx__cuda_ll_poll(epx_buffer_t buffer);
 

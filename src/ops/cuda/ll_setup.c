@@ -171,6 +171,18 @@ static epx_status_t load_plugin(void)
                      EPX_LL_PLUGIN_FILE, first_error);
 }
 
+epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3])
+{
+    pthread_mutex_lock(&nv_lock);
+    epx_status_t status = load_plugin();
+    if (status == EPX_SUCCESS) {
+        *path = nv.path;
+        nv.plugin->nvshmem_version(&version[0], &version[1], &version[2]);
+    }
+    pthread_mutex_unlock(&nv_lock);
+    return status;
+}
+
 /* Defaults for NVSHMEM that the user did not set (README lists them). */
 static void nvshmem_defaults(size_t sym_bytes)
 {
