@@ -4,6 +4,10 @@
 #   here they get the doctor sources they test and the recorded samples.
 # - doctor.json / doctor.text: the whole command on this machine, output checked by
 #   tests/doctor/check_doctor.py (python3's json module only).
+# - doctor.plugin: nvshmem.plugin finds the libepx_nvshmem.so of this build from another
+#   directory (the build-directory fallback), and with EPX_NVSHMEM_PLUGIN=/nonexistent
+#   says not-present with the fix. The script is told the plugin's path, or "none" when
+#   this build has none.
 
 set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools)
 
@@ -26,12 +30,18 @@ if(TARGET test_doctor_report)
   target_include_directories(test_doctor_report PRIVATE ${EPX_DOCTOR_TOOLS})
 endif()
 
+if(TARGET epx_nvshmem)
+  set(EPX_DOCTOR_PLUGIN $<TARGET_FILE:epx_nvshmem>)
+else()
+  set(EPX_DOCTOR_PLUGIN none)
+endif()
+
 find_package(Python3 COMPONENTS Interpreter QUIET)
 if(Python3_Interpreter_FOUND)
-  foreach(mode json text)
+  foreach(mode json text plugin)
     add_test(NAME doctor.${mode}
              COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/doctor/check_doctor.py
-                     $<TARGET_FILE:epx_tool> ${mode})
+                     $<TARGET_FILE:epx_tool> ${mode} ${EPX_DOCTOR_PLUGIN})
     # The smoke run starts ranks; leave it room, but a hang still ends the test.
     set_tests_properties(doctor.${mode} PROPERTIES TIMEOUT 300 LABELS doctor)
   endforeach()

@@ -5,7 +5,7 @@
  *
  * Check names are "group.check" and stable: scripts and the tests key on them.
  *   gpu.driver gpu.runtime gpu.devices gpu.links gpu.peer_access gpu.ipc gpu.mps
- *   nvshmem.library nvshmem.transports nvshmem.bootstrap
+ *   nvshmem.library nvshmem.plugin nvshmem.transports nvshmem.bootstrap
  *   rdma.devices rdma.nic_affinity rdma.gpudirect rdma.gdrcopy rdma.ibgda_driver_options
  *   env.epx env.nvshmem env.buffer_fit
  *   smoke.run smoke.dispatch smoke.combine
@@ -55,6 +55,10 @@ typedef struct {
     epx__doctor_gpu_facts_t gpu;
     int mps_running;   /* a CUDA MPS control daemon answers */
     int rdma_ports_up; /* RDMA ports in state ACTIVE */
+    /* The libnvshmem_host.so.3 that nvshmem.library found and loaded, and its version
+     * ({0, 0, 0} when none, or when the library does not say). */
+    char nvshmem_path[4096];
+    int nvshmem_version[3];
 } epx__doctor_context_t;
 
 void epx__doctor_check_gpu(epx__doctor_report_t *report, epx__doctor_context_t *context);

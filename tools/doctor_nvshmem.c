@@ -1,8 +1,10 @@
 /*
- * `epx doctor` NVSHMEM checks: where libnvshmem_host.so.3 is and which version, which
- * of its bootstrap and transport plugins load (their libraries must resolve: IBGDA
- * needs rdma-core's libmlx5), and whether two processes really initialise NVSHMEM from
- * a unique id, as epx's low-latency and internode modes do.
+ * `epx doctor` NVSHMEM checks: where libnvshmem_host.so.3 is and which version, whether
+ * epx's own NVSHMEM plugin (libepx_nvshmem.so: the low-latency kernels) loads and was
+ * built against the same NVSHMEM, which of NVSHMEM's bootstrap and transport plugins
+ * load (their libraries must resolve: IBGDA needs rdma-core's libmlx5), and whether two
+ * processes really initialise NVSHMEM from a unique id, as epx's low-latency and
+ * internode modes do.
  *
  * The library is looked for where epx's build and users put it: $NVSHMEM_HOME/lib, the
  * nvidia-nvshmem wheel under the site-packages of the python3 on PATH, the device
@@ -15,8 +17,9 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
-#include <libgen.h>
 #include <dirent.h>
+#include <libgen.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +31,10 @@
 #include "doctor_child.h"
 #include "doctor_cuda.h"
 #include "doctor_parse.h"
+#include "epx.h"
+#ifdef EPX_WITH_CUDA
+#include "ops/cuda/ll.h"
+#endif
 
 #define HOST_LIBRARY "libnvshmem_host.so.3"
 #define DEVICE_IMAGE_VENV "/opt/torch/.venv/lib/python3.12/site-packages"
@@ -142,6 +149,160 @@ static void probe_library(epx__doctor_report_t *report, void *arg, void *facts_o
     *(void **)(&version) = dlsym(library, "nvshmemx_vendor_get_version_info");
     if (version != NULL)
         version(&facts->major, &facts->minor, &facts->patch);
+}
+
+/* ---------------------------------------------------------------- epx's plugin */
+
+/*
+ * libepx_nvshmem.so holds the low-latency kernels and every NVSHMEM call; libepx loads
+ * it when the first low-latency CUDA buffer is made. Its device code is NVSHMEM's,
+ * linked in at build time, and at run time it brings in libnvshmem_host.so.3 through
+ * its RPATH or the loader's path: the two must be one NVSHMEM version.
+ */
+#define LL_PLUGIN_FILE "libepx_nvshmem.so"
+#define LL_PLUGIN_FIX                                                                      \
+    "for low-latency mode on GPUs: pip install nvidia-nvshmem-cu13==3.4.5 and rebuild epx " \
+    "(CMake then builds " LL_PLUGIN_FILE "), or set EPX_NVSHMEM_PLUGIN to its path"
+
+#ifdef EPX_WITH_CUDA
+typedef struct {
+    int32_t loaded;
+    int32_t version[3];      /* the NVSHMEM compiled into the plugin */
+    int32_t host_version[3]; /* the libnvshmem_host.so.3 it brought in; 0 = unknown */
+    char path[4096];
+    char host_path[4096];
+    char message[1024]; /* epx_last_error() when it does not load */
+} ll_plugin_facts_t;
+
+/* In a child: load the plugin exactly as a buffer would, and the host library with it. */
+static void probe_ll_plugin(epx__doctor_report_t *report, void *arg, void *facts_out)
+{
+    (void)report;
+    (void)arg;
+    ll_plugin_facts_t *facts = facts_out;
+    const char *path = NULL;
+    int version[3] = {0, 0, 0};
+    if (epx__cuda_ll_plugin_load(&path, version) != EPX_SUCCESS) {
+        snprintf(facts->message, sizeof(facts->message), "%s", epx_last_error());
+        return;
+    }
+    facts->loaded = 1;
+    char resolved[PATH_MAX];
+    snprintf(facts->path, sizeof(facts->path), "%s",
+             realpath(path, resolved) != NULL ? resolved : path);
+    for (int i = 0; i < 3; i++)
+        facts->version[i] = version[i];
+    /* Already loaded as the plugin's dependency: RTLD_NOLOAD finds that copy, not
+     * whichever one a fresh search would. */
+    void *host = dlopen(HOST_LIBRARY, RTLD_LAZY | RTLD_NOLOAD);
+    if (host == NULL)
+        return;
+    void (*get_version)(int *, int *, int *) = NULL;
+    *(void **)(&get_version) = dlsym(host, "nvshmemx_vendor_get_version_info");
+    if (get_version != NULL) {
+        int host_version[3] = {0, 0, 0};
+        get_version(&host_version[0], &host_version[1], &host_version[2]);
+        for (int i = 0; i < 3; i++)
+            facts->host_version[i] = host_version[i];
+        Dl_info info;
+        if (dladdr(*(void **)(&get_version), &info) != 0 && info.dli_fname != NULL)
+            snprintf(facts->host_path, sizeof(facts->host_path), "%s",
+                     realpath(info.dli_fname, resolved) != NULL ? resolved : info.dli_fname);
+    }
+    dlclose(host);
+}
+
+/* 1 when the loader's message says the plugin file itself is not there (as opposed to
+ * a plugin that is there but does not load: a missing dependency, another ABI). */
+static int ll_plugin_missing(const char *message, const char *forced)
+{
+    const char *not_there = ": cannot open shared object file";
+    char pattern[4096 + 64];
+    snprintf(pattern, sizeof(pattern), "%s%s", forced[0] != '\0' ? forced : LL_PLUGIN_FILE,
+             not_there);
+    return strstr(message, pattern) != NULL;
+}
+
+static int same_version(const int32_t a[3], const int b[3])
+{
+    return a[0] == b[0] && a[1] == b[1] && a[2] == b[2];
+}
+#endif /* EPX_WITH_CUDA */
+
+static void check_ll_plugin(epx__doctor_report_t *report, const epx__doctor_context_t *context)
+{
+#ifndef EPX_WITH_CUDA
+    (void)context;
+    epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_SKIP, NULL,
+                    "this epx has no CUDA backend, so it never loads " LL_PLUGIN_FILE
+                    " (low-latency mode runs on the CPU backend only)");
+#else
+    ll_plugin_facts_t facts;
+    memset(&facts, 0, sizeof(facts));
+    if (epx__doctor_run_child(report, "nvshmem.plugin", context->timeout_s, probe_ll_plugin, NULL,
+                              &facts, sizeof(facts)) != EPX__DOCTOR_CHILD_DONE)
+        return;
+    const char *forced = epx__param_string(EPX_PARAM_NVSHMEM_PLUGIN);
+    if (forced == NULL)
+        forced = "";
+    if (!facts.loaded && !ll_plugin_missing(facts.message, forced)) {
+        epx__doctor_add(report, "nvshmem.plugin",
+                        context->gpu.gpu_count > 0 ? EPX__DOCTOR_FAIL : EPX__DOCTOR_WARN,
+                        "install what the loader says is missing (the NVSHMEM library the "
+                        "plugin was built with), or rebuild epx so its plugin matches",
+                        "%s is there but does not load, so low-latency mode on GPUs is "
+                        "unavailable\nepx says: %s",
+                        LL_PLUGIN_FILE, facts.message);
+        return;
+    }
+    if (!facts.loaded) {
+        char where[4096 + 64];
+        if (forced[0] != '\0')
+            snprintf(where, sizeof(where), "EPX_NVSHMEM_PLUGIN=%s", forced);
+        else
+            snprintf(where, sizeof(where), "looked beside libepx, in the build directory and "
+                                           "on the loader's path");
+        epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_NOT_PRESENT, LL_PLUGIN_FIX,
+                        "%s not found (%s), so low-latency mode on GPUs is unavailable\n"
+                        "epx says: %s",
+                        LL_PLUGIN_FILE, where, facts.message);
+        return;
+    }
+    char version[32], host[4096 + 64] = "";
+    snprintf(version, sizeof(version), "%d.%d.%d", facts.version[0], facts.version[1],
+             facts.version[2]);
+    if (facts.host_version[0] > 0)
+        snprintf(host, sizeof(host), "\nit loads libnvshmem_host.so.3 %d.%d.%d from %s",
+                 facts.host_version[0], facts.host_version[1], facts.host_version[2],
+                 facts.host_path[0] ? facts.host_path : "?");
+    int host_differs = facts.host_version[0] > 0 &&
+                       !same_version(facts.host_version, facts.version);
+    int library_differs = context->nvshmem_version[0] > 0 &&
+                          !same_version(facts.version, context->nvshmem_version);
+    char fix[EPX__DOCTOR_FIX_MAX];
+    snprintf(fix, sizeof(fix),
+             "use one NVSHMEM version throughout: pip install nvidia-nvshmem-cu13==%s (the "
+             "plugin's) and set NVSHMEM_HOME or LD_LIBRARY_PATH to it, or rebuild epx against "
+             "the NVSHMEM you run with",
+             version);
+    if (host_differs)
+        epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_WARN, fix,
+                        "%s found at %s, NVSHMEM %s%s\nits device code is NVSHMEM %s but the "
+                        "host library it loads is %d.%d.%d: they must be one version",
+                        LL_PLUGIN_FILE, facts.path, version, host, version,
+                        facts.host_version[0], facts.host_version[1], facts.host_version[2]);
+    else if (library_differs)
+        epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_WARN, fix,
+                        "%s found at %s, NVSHMEM %s%s\nbut nvshmem.library found NVSHMEM "
+                        "%d.%d.%d at %s: host and device NVSHMEM must be one version at run "
+                        "time",
+                        LL_PLUGIN_FILE, facts.path, version, host, context->nvshmem_version[0],
+                        context->nvshmem_version[1], context->nvshmem_version[2],
+                        context->nvshmem_path);
+    else
+        epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_PASS, NULL,
+                        "%s found at %s, NVSHMEM %s%s", LL_PLUGIN_FILE, facts.path, version, host);
+#endif
 }
 
 /* ---------------------------------------------------------------- plugins */
@@ -398,54 +559,79 @@ static void coordinate_bootstrap(epx__doctor_report_t *report, void *arg, void *
 
 /* ---------------------------------------------------------------- the check */
 
-void epx__doctor_check_nvshmem(epx__doctor_report_t *report, epx__doctor_context_t *context)
+#define LIBRARY_USABLE 0
+#define LIBRARY_UNSUPPORTED 1 /* loads, but not NVSHMEM 3.x: no bootstrap test */
+#define LIBRARY_ABSENT 2      /* not found */
+#define LIBRARY_BROKEN 3      /* found but does not load */
+#define LIBRARY_UNCHECKED 4   /* its probe crashed or hung (already a fail line) */
+
+/* nvshmem.library; records the library in `context` for the checks after it. */
+static int check_library(epx__doctor_report_t *report, epx__doctor_context_t *context,
+                         library_facts_t *facts, char *version, size_t version_size)
 {
-    library_facts_t facts;
-    memset(&facts, 0, sizeof(facts));
+    memset(facts, 0, sizeof(*facts));
     if (epx__doctor_run_child(report, "nvshmem.library", context->timeout_s, probe_library, NULL,
-                              &facts, sizeof(facts)) != EPX__DOCTOR_CHILD_DONE) {
-        epx__doctor_add(report, "nvshmem.transports", EPX__DOCTOR_SKIP, NULL, "no library");
-        epx__doctor_add(report, "nvshmem.bootstrap", EPX__DOCTOR_SKIP, NULL, "no library");
-        return;
-    }
+                              facts, sizeof(*facts)) != EPX__DOCTOR_CHILD_DONE)
+        return LIBRARY_UNCHECKED;
     const char *fix_missing =
         "for epx's low-latency and internode modes: pip install nvidia-nvshmem-cu13 (or set "
         "NVSHMEM_HOME to an NVSHMEM 3.x install)";
-    if (facts.path[0] == '\0') {
+    if (facts->path[0] == '\0') {
         epx__doctor_add(report, "nvshmem.library", EPX__DOCTOR_NOT_PRESENT,
                         context->gpu.gpu_count > 0 ? fix_missing : NULL,
                         "%s not found ($NVSHMEM_HOME/lib, python3's site-packages/nvidia/nvshmem/"
                         "lib, %s, the loader path)", HOST_LIBRARY, DEVICE_IMAGE_VENV);
+        return LIBRARY_ABSENT;
+    }
+    if (facts->major > 0)
+        snprintf(version, version_size, "%d.%d.%d", facts->major, facts->minor, facts->patch);
+    else if (!epx__doctor_version_from_filename(facts->path, version, version_size))
+        snprintf(version, version_size, "unknown");
+    if (facts->load_error[0] != '\0') {
+        epx__doctor_add(report, "nvshmem.library", context->gpu.gpu_count > 0 ? EPX__DOCTOR_FAIL
+                                                                               : EPX__DOCTOR_WARN,
+                        "install what the loader says is missing (usually the NVIDIA driver's "
+                        "libcuda.so.1), or point NVSHMEM_HOME at a working NVSHMEM",
+                        "found %s (version %s) but it does not load: %s", facts->path, version,
+                        facts->load_error);
+        return LIBRARY_BROKEN;
+    }
+    snprintf(context->nvshmem_path, sizeof(context->nvshmem_path), "%s", facts->path);
+    if (facts->major > 0) {
+        context->nvshmem_version[0] = facts->major;
+        context->nvshmem_version[1] = facts->minor;
+        context->nvshmem_version[2] = facts->patch;
+    }
+    int supported = facts->major == 3;
+    epx__doctor_add(report, "nvshmem.library", supported ? EPX__DOCTOR_PASS : EPX__DOCTOR_WARN,
+                    supported ? NULL
+                              : "use NVSHMEM 3.x (epx is built and tested against 3.4), from the "
+                                "nvidia-nvshmem-cu13 wheel",
+                    "NVSHMEM %s at %s", version, facts->path);
+    return supported ? LIBRARY_USABLE : LIBRARY_UNSUPPORTED;
+}
+
+void epx__doctor_check_nvshmem(epx__doctor_report_t *report, epx__doctor_context_t *context)
+{
+    library_facts_t facts;
+    char version[32] = "";
+    int library = check_library(report, context, &facts, version, sizeof(version));
+    /* The plugin brings in its own host library, so it is checked whatever was found. */
+    check_ll_plugin(report, context);
+
+    if (library == LIBRARY_ABSENT) {
         epx__doctor_add(report, "nvshmem.transports", EPX__DOCTOR_NOT_PRESENT, NULL,
                         "no NVSHMEM library");
         epx__doctor_add(report, "nvshmem.bootstrap", EPX__DOCTOR_NOT_PRESENT, NULL,
                         "no NVSHMEM library");
         return;
     }
-    char version[32] = "";
-    if (facts.major > 0)
-        snprintf(version, sizeof(version), "%d.%d.%d", facts.major, facts.minor, facts.patch);
-    else if (!epx__doctor_version_from_filename(facts.path, version, sizeof(version)))
-        snprintf(version, sizeof(version), "unknown");
-    if (facts.load_error[0] != '\0') {
-        epx__doctor_add(report, "nvshmem.library", context->gpu.gpu_count > 0 ? EPX__DOCTOR_FAIL
-                                                                               : EPX__DOCTOR_WARN,
-                        "install what the loader says is missing (usually the NVIDIA driver's "
-                        "libcuda.so.1), or point NVSHMEM_HOME at a working NVSHMEM",
-                        "found %s (version %s) but it does not load: %s", facts.path, version,
-                        facts.load_error);
-        epx__doctor_add(report, "nvshmem.transports", EPX__DOCTOR_SKIP, NULL,
-                        "the library does not load");
-        epx__doctor_add(report, "nvshmem.bootstrap", EPX__DOCTOR_SKIP, NULL,
-                        "the library does not load");
+    if (library == LIBRARY_BROKEN || library == LIBRARY_UNCHECKED) {
+        const char *why = library == LIBRARY_BROKEN ? "the library does not load" : "no library";
+        epx__doctor_add(report, "nvshmem.transports", EPX__DOCTOR_SKIP, NULL, "%s", why);
+        epx__doctor_add(report, "nvshmem.bootstrap", EPX__DOCTOR_SKIP, NULL, "%s", why);
         return;
     }
-    int supported = facts.major == 3;
-    epx__doctor_add(report, "nvshmem.library", supported ? EPX__DOCTOR_PASS : EPX__DOCTOR_WARN,
-                    supported ? NULL
-                              : "use NVSHMEM 3.x (epx is built and tested against 3.4), from the "
-                                "nvidia-nvshmem-cu13 wheel",
-                    "NVSHMEM %s at %s", version, facts.path);
 
     plugin_arg_t plugins;
     char path_copy[sizeof(facts.path)];
@@ -460,7 +646,7 @@ void epx__doctor_check_nvshmem(epx__doctor_report_t *report, epx__doctor_context
                         "no GPU, so NVSHMEM cannot initialise");
         return;
     }
-    if (!supported) {
+    if (library == LIBRARY_UNSUPPORTED) {
         epx__doctor_add(report, "nvshmem.bootstrap", EPX__DOCTOR_SKIP, NULL,
                         "the init ABI of NVSHMEM %s is not known to this doctor", version);
         return;

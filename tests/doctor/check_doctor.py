@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
 """Run `epx doctor` and check its output and exit status.
 
-usage: check_doctor.py EPX json|text
+usage: check_doctor.py EPX json|text|plugin PLUGIN
 
+PLUGIN is the libepx_nvshmem.so this build made, or "none" when it made none.
 json: every line is one JSON object; check lines carry a known name and status, a
 string detail and fix; the last line is the summary, whose counts match the lines;
 the exit status is 1 exactly when a check failed. On a machine without an NVIDIA
 driver (CI) every gpu.* check must say not-present, and the exit status must be 0.
+nvshmem.plugin finds PLUGIN (or, without one, says not-present with the fix).
 text: the checklist has a line per check, the summary, and the same exit status rule.
+plugin: nvshmem.plugin alone, twice (with --no-smoke): started as `epx` from PATH in
+another directory, so only the build-directory fallback can find PLUGIN; then with
+EPX_NVSHMEM_PLUGIN=/nonexistent, which must give not-present with the fix.
 Only the standard library is used.
 """
 import json
@@ -26,7 +31,7 @@ KNOWN = [
     "gpu.mps", "gpu.ipc",
     "rdma.devices", "rdma.nic_affinity", "rdma.gpudirect", "rdma.gdrcopy",
     "rdma.ibgda_driver_options",
-    "nvshmem.library", "nvshmem.transports", "nvshmem.bootstrap",
+    "nvshmem.library", "nvshmem.plugin", "nvshmem.transports", "nvshmem.bootstrap",
     "env.epx", "env.nvshmem", "env.buffer_fit",
     "smoke.run", "smoke.dispatch", "smoke.combine",
 ]
@@ -34,7 +39,7 @@ KNOWN = [
 REQUIRED = [
     "epx.build", "gpu.driver", "gpu.runtime", "gpu.devices", "gpu.links",
     "gpu.peer_access", "gpu.mps", "gpu.ipc", "rdma.devices", "rdma.gdrcopy",
-    "rdma.ibgda_driver_options", "nvshmem.library", "nvshmem.transports",
+    "rdma.ibgda_driver_options", "nvshmem.library", "nvshmem.plugin", "nvshmem.transports",
     "nvshmem.bootstrap", "env.epx", "env.nvshmem", "env.buffer_fit", "smoke.run",
 ]
 
@@ -51,11 +56,17 @@ def has_nvidia_driver():
     return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia")
 
 
-def run(epx, args):
+def run(epx, args, extra_env=None, from_path=False):
     # A clean environment for the settings checks: no stray EPX_* from the caller.
     env = {k: v for k, v in os.environ.items() if not k.startswith("EPX_")}
-    proc = subprocess.run([epx, "doctor"] + args, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, env=env, timeout=280)
+    env.update(extra_env or {})
+    command, cwd = [epx, "doctor"] + args, None
+    if from_path:
+        # As a user starts it: `epx` found in PATH, from another directory.
+        env["PATH"] = os.path.dirname(os.path.abspath(epx)) + os.pathsep + env.get("PATH", "")
+        command[0], cwd = "epx", "/"
+    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                          cwd=cwd, timeout=280)
     return proc.returncode, proc.stdout.decode("utf-8"), proc.stderr.decode("utf-8", "replace")
 
 
@@ -88,8 +99,7 @@ def check_common(checks, returncode):
             fail("exit status %d on a machine without GPUs (nothing may fail)" % returncode)
 
 
-def check_json(epx):
-    returncode, out, err = run(epx, ["--json"])
+def read_json(out, err):
     lines = out.splitlines()
     if not lines:
         fail("no output; stderr: " + err)
@@ -99,6 +109,54 @@ def check_json(epx):
             objects.append(json.loads(line))
         except ValueError as error:
             fail("line %d is not JSON (%s): %r" % (number, error, line))
+    return objects
+
+
+def find_check(objects, name):
+    for obj in objects:
+        if obj.get("check") == name:
+            return obj
+    fail("check %r missing" % name)
+
+
+def cuda_built(objects):
+    return "the CUDA backend built" in find_check(objects, "epx.build")["detail"]
+
+
+PLUGIN_FOUND = re.compile(r"^libepx_nvshmem\.so found at (.+), NVSHMEM \d+\.\d+\.\d+$")
+
+
+def check_plugin_line(objects, plugin):
+    """nvshmem.plugin found `plugin` ("none": says not-present with the fix)."""
+    line = find_check(objects, "nvshmem.plugin")
+    if not cuda_built(objects):
+        if line["status"] != "skip":
+            fail("no CUDA backend, but nvshmem.plugin says %r" % line)
+        return
+    if plugin == "none":
+        check_plugin_missing(line)
+        return
+    match = PLUGIN_FOUND.match(line["detail"].split("\n")[0])
+    # warn: found, but NVSHMEM versions differ on this machine (the detail says which).
+    if line["status"] not in ("pass", "warn") or not match:
+        fail("nvshmem.plugin should find %s: %r" % (plugin, line))
+    if os.path.realpath(match.group(1)) != os.path.realpath(plugin):
+        fail("nvshmem.plugin found %s, not this build's %s" % (match.group(1), plugin))
+
+
+def check_plugin_missing(line):
+    if line["status"] != "not-present":
+        fail("nvshmem.plugin should say not-present: %r" % line)
+    for text in ("pip install nvidia-nvshmem-cu13", "EPX_NVSHMEM_PLUGIN"):
+        if text not in line["fix"]:
+            fail("nvshmem.plugin's fix lacks %r: %r" % (text, line))
+    if "low-latency mode on GPUs is unavailable" not in line["detail"]:
+        fail("nvshmem.plugin does not say what is lost: %r" % line)
+
+
+def check_json(epx, plugin):
+    returncode, out, err = run(epx, ["--json"])
+    objects = read_json(out, err)
     checks = []
     for obj in objects[:-1]:
         if obj.get("type") != "check":
@@ -122,6 +180,7 @@ def check_json(epx):
         fail("summary exit_status %r, process exit status %d"
              % (summary.get("exit_status"), returncode))
     check_common(checks, returncode)
+    check_plugin_line(objects, plugin)
     print("check_doctor: json: %d checks, exit status %d: %s"
           % (len(checks), returncode,
              ", ".join("%d %s" % (summary[s], s) for s in sorted(STATUSES))))
@@ -143,13 +202,34 @@ def check_text(epx):
     print("check_doctor: text: %d checks, exit status %d" % (len(checks), returncode))
 
 
+def check_plugin(epx, plugin):
+    _, out, err = run(epx, ["--json", "--no-smoke"], from_path=True)
+    objects = read_json(out, err)
+    check_plugin_line(objects, plugin)
+    found = find_check(objects, "nvshmem.plugin")
+    _, out, err = run(epx, ["--json", "--no-smoke"], {"EPX_NVSHMEM_PLUGIN": "/nonexistent"})
+    objects = read_json(out, err)
+    missing = find_check(objects, "nvshmem.plugin")
+    if cuda_built(objects):
+        check_plugin_missing(missing)
+        if "EPX_NVSHMEM_PLUGIN=/nonexistent" not in missing["detail"]:
+            fail("nvshmem.plugin does not say where it looked: %r" % missing)
+    elif missing["status"] != "skip":
+        fail("no CUDA backend, but nvshmem.plugin says %r" % missing)
+    print("check_doctor: plugin: %s (%s); with EPX_NVSHMEM_PLUGIN=/nonexistent: %s"
+          % (found["status"], found["detail"].split("\n")[0], missing["status"]))
+
+
 def main():
-    if len(sys.argv) != 3 or sys.argv[2] not in ("json", "text"):
-        fail("usage: check_doctor.py EPX json|text")
-    if sys.argv[2] == "json":
-        check_json(sys.argv[1])
+    if len(sys.argv) != 4 or sys.argv[2] not in ("json", "text", "plugin"):
+        fail("usage: check_doctor.py EPX json|text|plugin PLUGIN")
+    epx, mode, plugin = sys.argv[1:]
+    if mode == "json":
+        check_json(epx, plugin)
+    elif mode == "text":
+        check_text(epx)
     else:
-        check_text(sys.argv[1])
+        check_plugin(epx, plugin)
 
 
 if __name__ == "__main__":

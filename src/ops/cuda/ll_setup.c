@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
@@ -143,20 +144,30 @@ static epx_status_t load_plugin(void)
 #endif
         snprintf(candidates[n++], PATH_MAX, "%s", EPX_LL_PLUGIN_FILE);
     }
-    char first_error[512] = "";
+    /* The reason worth reporting: a file that is there but does not load (a missing
+     * dependency, a wrong ABI) outranks the candidates that do not exist. */
+    char reason[512] = "", looked[1024] = "";
+    int present = 0;
     for (int i = 0; i < n; i++) {
+        size_t used = strlen(looked);
+        snprintf(looked + used, sizeof(looked) - used, "%s%.300s", i > 0 ? ", " : "",
+                 candidates[i]);
         void *library = dlopen(candidates[i], RTLD_NOW | RTLD_LOCAL);
         if (library == NULL) {
-            if (first_error[0] == '\0' || strstr(first_error, "No such file") != NULL)
-                snprintf(first_error, sizeof(first_error), "%s", dlerror());
+            const char *why = dlerror();
+            int exists = strchr(candidates[i], '/') != NULL && access(candidates[i], F_OK) == 0;
+            if (!present || exists)
+                snprintf(reason, sizeof(reason), "%s", why != NULL ? why : "dlopen failed");
+            present = present || exists;
             continue;
         }
         epx_ll_plugin_entry_t entry;
         *(void **)(&entry) = dlsym(library, EPX_LL_PLUGIN_SYMBOL);
         const epx_ll_plugin_t *plugin = entry != NULL ? entry() : NULL;
         if (plugin == NULL || plugin->abi != EPX_LL_PLUGIN_ABI) {
-            snprintf(first_error, sizeof(first_error), "%.300s is not an epx NVSHMEM plugin of ABI %d",
+            snprintf(reason, sizeof(reason), "%.300s is not an epx NVSHMEM plugin of ABI %d",
                      candidates[i], EPX_LL_PLUGIN_ABI);
+            present = 1;
             dlclose(library);
             continue;
         }
@@ -164,11 +175,16 @@ static epx_status_t load_plugin(void)
         memcpy(nv.path, candidates[i], sizeof(nv.path));
         return EPX_SUCCESS;
     }
+    if (present)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: low-latency mode on the CUDA backend: %s is there but does "
+                         "not load (looked in: %s): %s",
+                         EPX_LL_PLUGIN_FILE, looked, reason);
     return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                      "buffer: low-latency mode on the CUDA backend needs %s (built when NVSHMEM "
                      "is found: pip install nvidia-nvshmem-cu13 or set NVSHMEM_HOME, then "
-                     "rebuild; or point EPX_NVSHMEM_PLUGIN at it): %s",
-                     EPX_LL_PLUGIN_FILE, first_error);
+                     "rebuild; or point EPX_NVSHMEM_PLUGIN at it); looked in: %s (%s)",
+                     EPX_LL_PLUGIN_FILE, looked, reason);
 }
 
 epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3])
