@@ -687,14 +687,16 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
         memset(row, 0, sizeof(*row));
         row->dtype = dtype;
         row->op = (epx__bench_ll_op_t)op;
+        /* NaN (not timed: CUDA graphs on the host backend) stays NaN. */
         for (int it = 0; it < iters; it++)
-            slowest[it] = 0;
+            slowest[it] = NAN;
         for (int r = 0; r < world; r++) {
             const double *mine = times + ((size_t)r * EPX__BENCH_LL_OP_COUNT + (size_t)op) *
                                              (size_t)iters;
             per_rank[op * world + r] = epx__bench_stats(mine, iters);
             for (int it = 0; it < iters; it++)
-                slowest[it] = mine[it] > slowest[it] ? mine[it] : slowest[it];
+                if (!isnan(mine[it]) && (isnan(slowest[it]) || mine[it] > slowest[it]))
+                    slowest[it] = mine[it];
         }
         row->per_rank = &per_rank[op * world];
         row->rank0 = row->per_rank[0];
