@@ -82,44 +82,16 @@ def bits(array):
     return array.view(np.uint16 if array.dtype == BF16 else np.uint8)
 
 
-@pytest.fixture
-def buffers(host_group):
-    made = []
-
-    def make(case, **kwargs):
-        buffer = epx.Buffer(host_group, max_tokens_per_rank=max(case.num_tokens, 1),
-                            hidden=case.hidden, num_experts=case.num_experts,
-                            num_topk=case.num_topk, **kwargs)
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.destroy()
-
-
-@pytest.fixture
-def ll_buffers(host_group):
-    made = []
-
-    def make(case):
-        buffer = epx.Buffer(host_group, low_latency_mode=True,
-                            num_max_dispatch_tokens_per_rank=case.max_tokens, hidden=case.hidden,
-                            num_experts=case.num_experts, num_topk=case.num_topk)
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.destroy()
+# Buffers come from conftest's make_buffer / ll_buffer: every test here also asks for
+# host_group, which skips off the host backend.
 
 
 # ---------------------------------------------------------------- normal mode
 
 
-def test_get_dispatch_layout(host_group, buffers):
+def test_get_dispatch_layout(host_group, make_buffer):
     case = Case(host_group.world_size, seed=211)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     _, _, idx, _ = case.inputs(host_group.rank)
     got = buffer.get_dispatch_layout(J.put(idx), case.num_experts)
     ref = buffer.get_dispatch_layout(N.put(idx), case.num_experts)
@@ -146,10 +118,10 @@ def dispatch_both(buffer, case, rank):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
-def test_dispatch_and_combine(host_group, buffers, dtype):
+def test_dispatch_and_combine(host_group, make_buffer, dtype):
     rank = host_group.rank
     case = Case(host_group.world_size, seed=221, dtype=dtype)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     (jx, jidx, jw, jcounts, jhandle, _), (nx, nidx, nw, ncounts, nhandle, _) = \
         dispatch_both(buffer, case, rank)
     want = case.dispatch(rank)
@@ -187,12 +159,12 @@ def test_dispatch_and_combine(host_group, buffers, dtype):
     np.testing.assert_allclose(J.get(jcombined_w), want_w, rtol=1e-6, atol=1e-6)
 
 
-def test_outputs_are_copies(host_group, buffers):
+def test_outputs_are_copies(host_group, make_buffer):
     """A NumPy output is a view that the next dispatch rewrites; a JAX output keeps its
     values (jax.Array is immutable)."""
     rank = host_group.rank
     case = Case(host_group.world_size, seed=231)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     x, _, idx, w = case.inputs(rank)
     want = case.dispatch(rank)
     jx, jidx, jw, _, handle, _ = buffer.dispatch(J.put(x), topk_idx=J.put(idx),
@@ -206,10 +178,10 @@ def test_outputs_are_copies(host_group, buffers):
     np.testing.assert_array_equal(J.get(jw), want["recv_weights"])
 
 
-def test_cached_dispatch(host_group, buffers):
+def test_cached_dispatch(host_group, make_buffer):
     rank = host_group.rank
     case = Case(host_group.world_size, seed=241)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     x, _, idx, w = case.inputs(rank)
     handle = buffer.dispatch(J.put(x), topk_idx=J.put(idx), topk_weights=J.put(w))[4]
     want = case.dispatch(rank)
@@ -226,12 +198,12 @@ def test_cached_dispatch(host_group, buffers):
         bits((x2.astype(F32) * in_rank.sum(axis=1, keepdims=True)).astype(BF16)))
 
 
-def test_input_from_pending_computation(host_group, buffers):
+def test_input_from_pending_computation(host_group, make_buffer):
     """x is the result of a jitted computation that may still be running when dispatch
     reads it: JAX's __dlpack__ must wait for it (JAX dispatches asynchronously)."""
     rank = host_group.rank
     case = Case(host_group.world_size, seed=251)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     x, _, idx, w = case.inputs(rank)
 
     @jax.jit
@@ -253,13 +225,13 @@ def test_input_from_pending_computation(host_group, buffers):
     np.testing.assert_array_equal(J.get(recv_idx), want["recv_idx"])
 
 
-def test_int64_outputs_without_x64(host_group, buffers):
+def test_int64_outputs_without_x64(host_group, make_buffer):
     """With jax_enable_x64 off, JAX would narrow int64 outputs to int32; epx refuses
     rather than return changed values. topk_idx stays a NumPy int64 array (JAX cannot
     make one then); the framework of the outputs is x's."""
     rank = host_group.rank
     case = Case(host_group.world_size, seed=261)
-    buffer = buffers(case)
+    buffer = make_buffer(case)
     x, _, idx, w = case.inputs(rank)
     jax.config.update("jax_enable_x64", False)
     try:
@@ -296,11 +268,11 @@ def ll_step(buffer, arrays, case, rank, **kwargs):
 @pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0",
                          [(False, False, False), (True, False, False), (True, True, True)],
                          ids=["bf16", "fp8", "fp8-ue8m0"])
-def test_low_latency_dispatch_and_combine(host_group, ll_buffers, use_fp8, round_scale,
+def test_low_latency_dispatch_and_combine(host_group, ll_buffer, use_fp8, round_scale,
                                           use_ue8m0):
     rank = host_group.rank
     case = LowLatencyCase(host_group.world_size, seed=271)
-    buffer = ll_buffers(case)
+    buffer = ll_buffer(case)
     flags = dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
     recv, recv_count, handle, _, hook = ll_step(buffer, J, case, rank, **flags)
     assert hook is None and isinstance(handle, epx.LowLatencyHandle)
@@ -362,12 +334,12 @@ def test_low_latency_dispatch_and_combine(host_group, ll_buffers, use_fp8, round
     np.testing.assert_array_equal(bits(J.get(combined)), bits(want))
 
 
-def test_low_latency_int64_without_x64(host_group, ll_buffers):
+def test_low_latency_int64_without_x64(host_group, ll_buffer):
     """layout_range packs (begin << 32 | count) in int64: narrowed to int32 it would lose
     begin. With jax_enable_x64 off the dispatch raises instead."""
     rank = host_group.rank
     case = LowLatencyCase(host_group.world_size, seed=281)
-    buffer = ll_buffers(case)
+    buffer = ll_buffer(case)
     x, idx, _ = case.inputs(rank)
     jax.config.update("jax_enable_x64", False)
     try:
@@ -399,10 +371,10 @@ def hook_result_or_refusal(call):
 # JAX outputs are copies made when low_latency_dispatch/combine return, but with
 # return_recv_hook=True the data only arrive in hook(): the package refuses the
 # combination (EpxError, ERR_INVALID_ARG) rather than return stale arrays.
-def test_low_latency_dispatch_hook(host_group, ll_buffers):
+def test_low_latency_dispatch_hook(host_group, ll_buffer):
     rank = host_group.rank
     case = LowLatencyCase(host_group.world_size, seed=291)
-    buffer = ll_buffers(case)
+    buffer = ll_buffer(case)
     out = hook_result_or_refusal(lambda: ll_step(buffer, J, case, rank, use_fp8=False,
                                                  return_recv_hook=True))
     if out is not None:
@@ -414,10 +386,10 @@ def test_low_latency_dispatch_hook(host_group, ll_buffers):
                                           bits(want.reshape(-1, case.hidden)))
 
 
-def test_low_latency_combine_hook(host_group, ll_buffers):
+def test_low_latency_combine_hook(host_group, ll_buffer):
     rank = host_group.rank
     case = LowLatencyCase(host_group.world_size, seed=292)
-    buffer = ll_buffers(case)
+    buffer = ll_buffer(case)
     _, recv_count, handle, _, _ = ll_step(buffer, J, case, rank, use_fp8=False)
     rows = check_layout(J, case, rank, recv_count, handle)
     _, idx, weights = case.inputs(rank)
@@ -430,10 +402,10 @@ def test_low_latency_combine_hook(host_group, ll_buffers):
 
 # low_latency_combine(..., out=a JAX array) would write into an immutable jax.Array
 # (and any array sharing its memory): refused with EpxError naming out.
-def test_low_latency_combine_out(host_group, ll_buffers):
+def test_low_latency_combine_out(host_group, ll_buffer):
     rank = host_group.rank
     case = LowLatencyCase(host_group.world_size, seed=293)
-    buffer = ll_buffers(case)
+    buffer = ll_buffer(case)
     _, recv_count, handle, _, _ = ll_step(buffer, J, case, rank, use_fp8=False)
     rows = check_layout(J, case, rank, recv_count, handle)
     x, idx, weights = case.inputs(rank)

@@ -116,22 +116,6 @@ def assert_masked_count(group, got, want):
     assert got == want
 
 
-@pytest.fixture
-def ll_buffer(group):
-    made = []
-
-    def make(case, **kwargs):
-        buffer = epx.Buffer(group, low_latency_mode=True,
-                            num_max_dispatch_tokens_per_rank=case.max_tokens, hidden=case.hidden,
-                            num_experts=case.num_experts, num_topk=case.num_topk, **kwargs)
-        made.append(buffer)
-        return buffer
-
-    yield make
-    for buffer in made:
-        buffer.destroy()
-
-
 def dispatch(buffer, tensors, case, rank, **kwargs):
     x, idx, _ = case.inputs(rank)
     kwargs.setdefault("use_fp8", False)
