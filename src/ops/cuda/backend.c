@@ -253,14 +253,15 @@ static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t
 static int ll_all_healthy(epx_buffer_t buffer)
 {
     int R = buffer->group->world_size;
-    int32_t *words = calloc((size_t)R * (size_t)(R + 1), sizeof(int32_t));
+    /* [R] every rank's verdict, then [R] this rank's mask. */
+    int32_t *words = calloc(2 * (size_t)R, sizeof(int32_t));
     if (words == NULL) {
         (void)epx__bootstrap_barrier(buffer->group->bootstrap);
         return 0;
     }
-    int32_t *mine = words + (size_t)R * (size_t)R;
+    int32_t *mine = words + R;
     epx__cuda_buffer_t *cuda = buffer->impl;
-    int ok = 1;
+    int32_t ok = 1;
     if (cuda->ll != NULL) {
         epx__cuda_ll_poll(buffer);
         ok = atomic_load(&buffer->ll_peer_error) == EPX_SUCCESS;
@@ -268,8 +269,7 @@ static int ll_all_healthy(epx_buffer_t buffer)
         for (int r = 0; r < R; r++)
             ok = ok && !mine[r];
     }
-    mine[0] = ok;
-    int all = epx__bootstrap_allgather(buffer->group->bootstrap, mine, words, sizeof(int32_t)) ==
+    int all = epx__bootstrap_allgather(buffer->group->bootstrap, &ok, words, sizeof(int32_t)) ==
               EPX_SUCCESS;
     for (int r = 0; all && r < R; r++)
         all = words[r] != 0;

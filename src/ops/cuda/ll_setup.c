@@ -44,6 +44,25 @@ static size_t take(size_t *offset, size_t bytes)
     return at;
 }
 
+/*
+ * The device state after the two result slots (offsets from its start): seq [2][2]
+ * uint64, arrive [2][4] uint32, mask [R + 1] int32 (the last word claims the failure
+ * record), the peer table [R] pointers.
+ */
+typedef struct {
+    size_t arrive, mask, peers, bytes;
+} state_layout_t;
+
+static state_layout_t state_layout(int world)
+{
+    state_layout_t l;
+    l.arrive = 4 * sizeof(uint64_t);
+    l.mask = l.arrive + 8 * sizeof(uint32_t);
+    l.peers = l.mask + (((size_t)world + 1) * sizeof(int32_t) + 7) / 8 * 8;
+    l.bytes = l.peers + (size_t)world * sizeof(char *);
+    return l;
+}
+
 epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *config,
                                epx_ll_shape_t *s, size_t *sym_bytes, size_t *local_bytes)
 {
@@ -58,14 +77,10 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
                          "buffer: low-latency mode on the CUDA backend moves 16-byte vectors, so "
                          "hidden must be a multiple of 8 (config has %lld)",
                          (long long)config->hidden);
-    /* The kernels' shared memory (ll_dispatch.cu): the send's histogram and chunk
-     * tables, the receive's table of first rows. */
-    int topk = config->num_topk, chunk = 1024 / topk < 1 ? 1 : (1024 / topk > 32 ? 32 : 1024 / topk);
-    /* (+ up to 2048 cached routing entries of 8 bytes, + two pointers per chunk entry) */
-    size_t entries = (size_t)chunk * (size_t)topk;
-    size_t send_smem = ((size_t)config->num_experts + 2 * entries + (size_t)R) * 4 + 2048 * 8 +
-                       2 * entries * 8;
-    size_t recv_smem = ((size_t)R + (size_t)(config->num_experts / R) * ((size_t)R + 2) + 1) * 4;
+    /* The kernels' shared memory, the send's with its routing cache full. */
+    size_t send_smem = epx_ll_send_smem(config->num_experts, config->num_topk, R, 0) +
+                       EPX_LL_CACHED_ENTRIES * 8;
+    size_t recv_smem = epx_ll_recv_smem(config->num_experts / R, R);
     size_t smem = send_smem > recv_smem ? send_smem : recv_smem;
     if (smem > 48 * 1024)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
@@ -113,11 +128,8 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->recv_topk = take(&local_slot, L * rows * sizeof(int32_t));
     s->send_pos = take(&local_slot, (size_t)m * k * sizeof(int32_t));
     s->local_slot_bytes = local_slot;
-    size_t local = 2 * local_slot;
-    local = align_up(local + 4 * sizeof(uint64_t) + 8 * sizeof(uint32_t) +
-                     (((size_t)R + 1) * sizeof(int32_t) + 7) / 8 * 8 + (size_t)R * sizeof(char *));
     *sym_bytes = sym;
-    *local_bytes = local;
+    *local_bytes = align_up(2 * local_slot + state_layout(R).bytes);
     return EPX_SUCCESS;
 }
 
@@ -308,11 +320,11 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     s->local[0] = ll->local;
     s->local[1] = ll->local + per_slot;
     char *state = ll->local + 2 * per_slot;
+    state_layout_t layout = state_layout(R);
     s->seq = (uint64_t *)state;
-    s->arrive = (uint32_t *)(state + 4 * sizeof(uint64_t));
-    s->mask = (int32_t *)(state + 4 * sizeof(uint64_t) + 8 * sizeof(uint32_t));
-    char **peer_table = (char **)(state + 4 * sizeof(uint64_t) + 8 * sizeof(uint32_t) +
-                                  (((size_t)R + 1) * sizeof(int32_t) + 7) / 8 * 8);
+    s->arrive = (uint32_t *)(state + layout.arrive);
+    s->mask = (int32_t *)(state + layout.mask);
+    char **peer_table = (char **)(state + layout.peers);
     s->peer = (char *const *)peer_table;
     s->sym = ll->sym;
     s->fail = fail_device;

@@ -20,41 +20,6 @@
 
 #include "ops/cuda/nvshmem/ll_device.cuh"
 
-/* Tokens a send block places at a time (bounded so shared memory stays small). */
-__host__ __device__ __forceinline__ int epx_ll_chunk_tokens(int topk)
-{
-    int c = 1024 / topk;
-    return c < 1 ? 1 : (c > 32 ? 32 : c);
-}
-
-/* Routing entries the send kernel copies to shared memory (else it reads them in place). */
-#define EPX_LL_CACHED_ENTRIES 2048
-
-__host__ __device__ __forceinline__ int epx_ll_cache_routing(int64_t tokens, int topk)
-{
-    return tokens * topk <= EPX_LL_CACHED_ENTRIES;
-}
-
-/*
- * Shared memory of the send kernel, 8-byte items first: the routing when cached (int64),
- * the chunk's destinations (row and scales pointers, [2][C*k]); then int32: hist [E],
- * chunk experts + rows [2][C*k], ok [R].
- */
-__host__ __device__ __forceinline__ size_t epx_ll_send_smem(int experts, int topk, int world,
-                                                            int64_t tokens)
-{
-    size_t entries = (size_t)epx_ll_chunk_tokens(topk) * (size_t)topk;
-    size_t routing = epx_ll_cache_routing(tokens, topk) ? (size_t)(tokens * topk) * 8 : 0;
-    return routing + 2 * entries * 8 +
-           ((size_t)experts + 2 * entries + (size_t)world) * sizeof(int32_t);
-}
-
-/* Shared memory of the receive kernel: ok [R], first rows [L][R + 1], [L + 1]. */
-__host__ __device__ __forceinline__ size_t epx_ll_recv_smem(int local, int world)
-{
-    return ((size_t)world + (size_t)local * ((size_t)world + 2) + 1) * sizeof(int32_t);
-}
-
 /* Count, per expert, the tokens in [begin, end) that send it a row. */
 __device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, int k,
                                  int64_t begin, int64_t end, int32_t *hist)
