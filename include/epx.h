@@ -166,6 +166,12 @@ epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *gro
  * EPX_LOCAL_RANK). A process started without a launcher becomes a group of one.
  */
 epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group);
+/*
+ * Local, except for the group whose first low-latency CUDA buffer set NVSHMEM up: there
+ * every rank must call it (after destroying its buffers), and it finalises NVSHMEM when
+ * all ranks agree, within the group's timeout; NVSHMEM cannot be set up again in the
+ * process afterwards.
+ */
 epx_status_t epx_group_destroy(epx_group_t group);
 
 typedef struct {
@@ -194,9 +200,14 @@ typedef struct {
     /* Low-latency mode (epx_ll_*): most tokens any rank passes to one low-latency call,
      * 0..65536. 0 (default) = low-latency mode off and no memory reserved for it. */
     int64_t max_low_latency_tokens;
+    /* Low-latency dispatch rows: BF16 (default; 0 means BF16) sizes them for bf16, so both
+     * bf16 and fp8 calls work; FP8_E4M3 sizes them for fp8 (about half the low-latency
+     * memory) and epx_ll_dispatch then refuses use_fp8 = 0. */
+    epx_dtype_t low_latency_dtype;
 } epx_buffer_config_t;
 
-#define EPX_BUFFER_CONFIG_INIT {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0}
+#define EPX_BUFFER_CONFIG_INIT \
+    {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0, EPX_DTYPE_BF16}
 
 /* Bytes of communication memory one rank allocates for this config (no allocation). */
 epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *config,

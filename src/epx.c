@@ -84,6 +84,7 @@ typedef struct {
     int32_t num_experts;
     int32_t num_topk;
     int32_t dispatch_dtype;
+    int32_t low_latency_dtype;
     int64_t max_tokens_per_rank;
     int64_t hidden;
     int64_t max_low_latency_tokens;
@@ -103,6 +104,7 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
         mine.num_experts = config->num_experts;
         mine.num_topk = config->num_topk;
         mine.dispatch_dtype = (int32_t)config->dispatch_dtype;
+        mine.low_latency_dtype = (int32_t)config->low_latency_dtype;
         mine.max_tokens_per_rank = config->max_tokens_per_rank;
         mine.hidden = config->hidden;
         mine.max_low_latency_tokens = config->max_low_latency_tokens;
@@ -128,6 +130,7 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
                                r, epx_status_string((epx_status_t)v->status));
         else if (v->num_experts != mine.num_experts || v->num_topk != mine.num_topk ||
                  v->dispatch_dtype != mine.dispatch_dtype ||
+                 v->low_latency_dtype != mine.low_latency_dtype ||
                  v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden ||
                  v->max_low_latency_tokens != mine.max_low_latency_tokens)
             status = EPX_ERROR(EPX_ERR_INVALID_ARG,
@@ -230,6 +233,13 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
     return buffer->ops->layout(buffer, args, stream);
 }
 
+/* Normal mode on this buffer at all? Refused before anything is sent: no poison. */
+static epx_status_t normal_available(epx_buffer_t buffer, const char *op)
+{
+    return buffer->ops->normal_available != NULL ? buffer->ops->normal_available(buffer, op)
+                                                 : EPX_SUCCESS;
+}
+
 epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                           epx_dispatch_result_t *result, void *stream)
 {
@@ -237,6 +247,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "dispatch: buffer is NULL");
     EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
+    EPX_CHECK(normal_available(buffer, "dispatch"));
     epx_status_t status = epx__validate_dispatch(buffer, args, result);
     if (status == EPX_SUCCESS && args->handle == NULL &&
         buffer->group->backend == EPX_BACKEND_HOST)
@@ -262,6 +273,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: buffer is NULL");
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
+    EPX_CHECK(normal_available(buffer, "combine"));
     epx_status_t status = epx__validate_combine(buffer, args);
     if (status == EPX_SUCCESS)
         status = buffer->ops->combine(buffer, args, stream);

@@ -291,6 +291,10 @@ epx_status_t epx_group_destroy(epx_group_t group)
     epx__clear_error();
     if (group == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_destroy: group is NULL");
+#ifdef EPX_WITH_CUDA
+    if (group->backend == EPX_BACKEND_CUDA)
+        epx__cuda_ll_group_destroy(group);
+#endif
     epx__bootstrap_destroy(group->bootstrap);
     free(group);
     return EPX_SUCCESS;

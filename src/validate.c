@@ -20,8 +20,10 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: group is NULL");
     if (config == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: config is NULL");
-    /* The config before max_low_latency_tokens was appended is still accepted. */
+    /* Configs from before max_low_latency_tokens and low_latency_dtype were appended are
+     * still accepted; the fields they lack read as 0. */
     if (config->size != sizeof(epx_buffer_config_t) &&
+        config->size != offsetof(epx_buffer_config_t, low_latency_dtype) &&
         config->size != offsetof(epx_buffer_config_t, max_low_latency_tokens))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.size is %zu, expected %zu (initialise with "
@@ -59,11 +61,26 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
     if (config->num_sms < 0 || config->num_sms > 1024)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: config.num_sms is %d, expected 0..1024",
                          config->num_sms);
-    if (config->size == sizeof(epx_buffer_config_t) &&
+    if (config->size > offsetof(epx_buffer_config_t, max_low_latency_tokens) &&
         (config->max_low_latency_tokens < 0 || config->max_low_latency_tokens > 65536))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.max_low_latency_tokens is %lld, expected 0 (off)..65536",
                          (long long)config->max_low_latency_tokens);
+    if (config->size == sizeof(epx_buffer_config_t) &&
+        config->low_latency_dtype != EPX_DTYPE_INVALID &&
+        !is_token_dtype(config->low_latency_dtype))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer: config.low_latency_dtype is %s (%d), expected bf16 (or 0) or "
+                         "fp8_e4m3",
+                         epx_dtype_name(config->low_latency_dtype),
+                         (int)config->low_latency_dtype);
+    if (config->size == sizeof(epx_buffer_config_t) &&
+        config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % 128 != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer: config.low_latency_dtype is fp8_e4m3 but config.hidden is "
+                         "%lld; fp8 dispatch needs a multiple of 128 (one scale per 128 "
+                         "channels)",
+                         (long long)config->hidden);
     return EPX_SUCCESS;
 }
 
@@ -72,6 +89,9 @@ void epx__buffer_config_read(const epx_buffer_config_t *config, epx_buffer_confi
     memset(full, 0, sizeof(*full));
     memcpy(full, config, config->size < sizeof(*full) ? config->size : sizeof(*full));
     full->size = sizeof(*full);
+    /* Backends see BF16 or FP8_E4M3 only: 0 (and a config without the field) means BF16. */
+    if (full->low_latency_dtype == EPX_DTYPE_INVALID)
+        full->low_latency_dtype = EPX_DTYPE_BF16;
 }
 
 epx_status_t epx__validate_topk_values(const char *op, const epx_tensor_t *topk_idx,

@@ -40,6 +40,22 @@ static epx_status_t epx__check_ll_enabled(epx_buffer_t buffer, const char *op)
     return EPX_SUCCESS;
 }
 
+/* The backend's alignment of rows (16-byte vectors on the GPU), for tensor `name`. */
+static epx_status_t check_row_align(epx_buffer_t buffer, const char *op, const char *name,
+                                    const epx_tensor_t *t)
+{
+    int align = buffer->ops->ll_row_align;
+    if (align <= 1)
+        return EPX_SUCCESS;
+    int64_t pitch = epx__tensor_row_stride(t) * (int64_t)epx_dtype_size(t->dtype);
+    if (((uintptr_t)t->data | (uintptr_t)pitch) % (uintptr_t)align != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "%s: %s rows must start on %d-byte boundaries on the %s backend (data "
+                         "%p, row pitch %lld bytes)",
+                         op, name, align, buffer->ops->name, t->data, (long long)pitch);
+    return EPX_SUCCESS;
+}
+
 epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
                                        const epx_ll_dispatch_result_t *result)
 {
@@ -61,6 +77,7 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: flags 0x%x has unknown bits", op, args->flags);
     const epx_buffer_config_t *config = &buffer->config;
     EPX_CHECK(epx__check_tensor(op, "x", &args->x, EPX_DTYPE_BF16, 2, -1, config->hidden));
+    EPX_CHECK(check_row_align(buffer, op, "x", &args->x));
     int64_t tokens = args->x.shape[0];
     if (tokens > config->max_low_latency_tokens)
         return EPX_ERROR(EPX_ERR_CAPACITY,
@@ -69,6 +86,11 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
                          op, (long long)tokens, (long long)config->max_low_latency_tokens);
     EPX_CHECK(epx__check_tensor(op, "topk_idx", &args->topk_idx, EPX_DTYPE_INT64, 2, tokens,
                                 config->num_topk));
+    if (!args->use_fp8 && config->low_latency_dtype == EPX_DTYPE_FP8_E4M3)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "%s: the buffer was created with config.low_latency_dtype = fp8_e4m3 "
+                         "(rows sized for fp8); pass use_fp8 = 1 or create it with bf16",
+                         op);
     if (!args->use_fp8 && (args->round_scale || args->use_ue8m0))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: round_scale and use_ue8m0 apply to fp8 only; use_fp8 is 0", op);
@@ -104,6 +126,8 @@ epx_status_t epx__validate_ll_combine(epx_buffer_t buffer, const epx_ll_combine_
                                 num_tokens, config->num_topk));
     EPX_CHECK(epx__check_tensor(op, "out", &args->out, EPX_DTYPE_BF16, 2, num_tokens,
                                 config->hidden));
+    EPX_CHECK(check_row_align(buffer, op, "x", &args->x));
+    EPX_CHECK(check_row_align(buffer, op, "out", &args->out));
     return EPX_SUCCESS;
 }
 

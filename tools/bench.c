@@ -45,6 +45,9 @@ static const char bench_usage[] =
     "  --dtype D         dispatch dtype: bf16, fp8 or all (normal all; ll fp8)\n"
     "  --round-scale     ll, fp8: power-of-two scales\n"
     "  --ue8m0           ll, fp8: scales as packed UE8M0 exponents (implies --round-scale)\n"
+    "  --ll-dtype D      ll: the buffer's low-latency rows sized for bf16 or fp8\n"
+    "                    (config.low_latency_dtype; fp8 rows take half the bytes and allow\n"
+    "                    fp8 dispatch only): fp8 when only fp8 is dispatched, else bf16\n"
     "  --warmup N        untimed iterations (normal: host 1, cuda 5; ll: host 2, cuda 10)\n"
     "  --iters N         timed iterations (normal: host 3, cuda 30; ll: host 20, cuda 100)\n"
     "  --seed N          input seed (1)\n"
@@ -102,6 +105,18 @@ static int apply_mode_defaults(epx__bench_options_t *o)
                         "--dtype bf16 leaves out\n");
         return 2;
     }
+    if (o->ll_dtype != EPX_DTYPE_INVALID && !ll) {
+        fprintf(stderr, "epx bench: --ll-dtype needs --mode ll\n\n%s", bench_usage);
+        return 2;
+    }
+    if (o->ll_dtype == EPX_DTYPE_FP8_E4M3 && o->run_bf16) {
+        fprintf(stderr, "epx bench: --ll-dtype fp8 sizes the buffer for fp8 dispatch only, "
+                        "which --dtype bf16 or all cannot use (give --ll-dtype bf16)\n");
+        return 2;
+    }
+    /* A run that dispatches fp8 only needs no more than fp8 rows (the standard case). */
+    if (o->ll_dtype == EPX_DTYPE_INVALID)
+        o->ll_dtype = ll && !o->run_bf16 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
     return -1;
 }
 
@@ -197,6 +212,15 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
             o->run_fp8 = strcmp(value, "fp8") == 0 || strcmp(value, "all") == 0;
             if (!o->run_bf16 && !o->run_fp8)
                 return usage_error("--dtype", value);
+        } else if ((matched = epx__match_value(argc, argv, &i, "--ll-dtype", &value)) != 0) {
+            if (matched < 0)
+                return usage_error("--ll-dtype", NULL);
+            if (strcmp(value, "bf16") == 0)
+                o->ll_dtype = EPX_DTYPE_BF16;
+            else if (strcmp(value, "fp8") == 0)
+                o->ll_dtype = EPX_DTYPE_FP8_E4M3;
+            else
+                return usage_error("--ll-dtype", value);
         } else if ((matched = epx__match_value(argc, argv, &i, "--backend", &value)) != 0) {
             if (matched < 0)
                 return usage_error("--backend", NULL);
@@ -350,7 +374,7 @@ int epx__command_bench(int argc, char **argv)
         .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .seed = 1,
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
-        .round_scale = 0, .use_ue8m0 = 0,
+        .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID,
     };
     char *launch_only = calloc((size_t)argc + 1, 1);
     if (launch_only == NULL) {

@@ -40,6 +40,9 @@ typedef struct {
     int use_mps;          /* the launch that -n starts runs a CUDA MPS daemon */
     int round_scale;      /* ll, fp8: power-of-two scales */
     int use_ue8m0;        /* ll, fp8: scales as packed UE8M0 exponents (implies round_scale) */
+    /* ll: the buffer's config.low_latency_dtype, BF16 or FP8_E4M3; INVALID (not given) =
+     * FP8_E4M3 when the run dispatches fp8 only, else BF16. */
+    epx_dtype_t ll_dtype;
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */

@@ -818,6 +818,8 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
     config.num_topk = options->topk;
     config.num_sms = options->sms;
     config.max_low_latency_tokens = options->tokens;
+    /* fp8 rows when the run dispatches fp8 only (bench.c chose it unless --ll-dtype). */
+    config.low_latency_dtype = options->ll_dtype;
     /* The buffer's memory, and the part of it that low-latency mode adds. */
     epx_buffer_config_t normal_only = config;
     normal_only.max_low_latency_tokens = 0;
@@ -827,7 +829,8 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
                     "epx_buffer_size");
     epx__bench_ll_context_t ll = {context, options->round_scale, options->use_ue8m0,
                                   (int64_t)bytes,
-                                  bytes > normal_bytes ? (int64_t)(bytes - normal_bytes) : 0};
+                                  bytes > normal_bytes ? (int64_t)(bytes - normal_bytes) : 0,
+                                  options->ll_dtype};
     epx_buffer_t buffer = NULL;
     epx__bench_must(info.rank, epx_buffer_create(group, &config, &buffer), "epx_buffer_create");
     if (info.rank == 0 && !options->json)

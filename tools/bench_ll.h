@@ -55,6 +55,7 @@ typedef struct {
     int use_ue8m0;
     int64_t buffer_bytes;    /* epx_buffer_size of the buffer's config, per rank */
     int64_t ll_buffer_bytes; /* of which max_low_latency_tokens adds */
+    epx_dtype_t ll_dtype;    /* the buffer's low_latency_dtype: rows sized for bf16 or fp8 */
 } epx__bench_ll_context_t;
 
 /* One dispatch dtype x op. */

@@ -106,8 +106,9 @@ void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
                  "x in the zero-copy buffer (epx_ll_get_combine_buffer)\n",
             scales_text(ll));
     fprintf(out, "# buffer: %s per rank (epx_buffer_size), %s of it for low latency "
-                 "(max_low_latency_tokens %lld)\n",
-            total, low_latency, (long long)c->tokens);
+                 "(max_low_latency_tokens %lld, low_latency_dtype %s: rows sized for %s)\n",
+            total, low_latency, (long long)c->tokens, dtype_text(ll->ll_dtype),
+            ll->ll_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8 dispatch only" : "bf16 or fp8 dispatch");
     if (c->floor_bw_gbps > 0)
         fprintf(out, "# floor: bytes all ranks read + write / %.1f GB/s (%s); dispatch reads and "
                      "writes every row sent, combine reads every row sent back and writes one "
@@ -211,8 +212,10 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
     fprintf(out, ",\"floor_source\":\"%s\"", c->floor_source);
     epx__bench_print_json_number(out, "floor_us", floor);
     epx__bench_print_json_number(out, "time_over_floor", row->slowest.median_us / floor);
-    fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld",
-            (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes);
+    fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld,"
+                 "\"ll_dtype\":\"%s\"",
+            (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes,
+            dtype_text(ll->ll_dtype));
     if (row->check == EPX__BENCH_CHECK_NONE)
         fprintf(out, ",\"check\":null}\n");
     else

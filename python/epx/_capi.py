@@ -139,6 +139,7 @@ class BufferConfig(Structure):
         ("dispatch_dtype", c_int),
         ("num_sms", c_int),
         ("max_low_latency_tokens", c_int64),
+        ("low_latency_dtype", c_int),
     ]
 
 
@@ -294,6 +295,7 @@ def new(struct):
         value.device = -1
     elif struct is BufferConfig:
         value.dispatch_dtype = DTYPE_BF16
+        value.low_latency_dtype = DTYPE_BF16
     return value
 
 

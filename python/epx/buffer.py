@@ -18,6 +18,18 @@ _DISPATCH_DTYPES = {"bf16": _capi.DTYPE_BF16, "bfloat16": _capi.DTYPE_BF16,
                     "fp8": _capi.DTYPE_FP8_E4M3, "fp8_e4m3": _capi.DTYPE_FP8_E4M3,
                     "float8_e4m3fn": _capi.DTYPE_FP8_E4M3}
 
+
+def _token_dtype(what, value):
+    """The epx dtype of "bf16" / "fp8" (or a torch / NumPy dtype of those); raises
+    EpxError ERR_INVALID_ARG naming `what` otherwise."""
+    name = str(value).lower()
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    if name not in _DISPATCH_DTYPES:
+        raise invalid_argument("Buffer: %s %r is not bf16 or fp8" % (what, value))
+    return _DISPATCH_DTYPES[name]
+
+
 _DEVICE_TYPES_OF = {"host": (_dlpack.CPU, _dlpack.CUDA_HOST),
                     "cuda": (_dlpack.CUDA, _dlpack.CUDA_MANAGED)}
 
@@ -142,6 +154,11 @@ class Buffer(LowLatencyMixin):
             passes to one low_latency_dispatch (1..65536; config.max_low_latency_tokens).
         hidden, num_experts, num_topk: the MoE shape (every rank passes the same).
         dispatch_dtype: "bf16" (default; also carries fp8) or "fp8".
+        low_latency_dtype: "bf16" (default) sizes the low-latency rows for bf16, so
+            low_latency_dispatch takes use_fp8 True or False; "fp8" (or
+            torch.float8_e4m3fn) sizes them for fp8 (half the bytes per dispatch row),
+            and low_latency_dispatch then refuses use_fp8=False
+            (config.low_latency_dtype).
         num_sms: SMs per rank for the GPU kernels (default Buffer.num_sms; 0 = EPX_NUM_SMS).
         backend: "auto", "host" or "cuda", when the group is made here.
         copy_outputs: default for the `copy` argument of dispatch (see there).
@@ -154,7 +171,7 @@ class Buffer(LowLatencyMixin):
                  allow_mnnvl=False, explicitly_destroy=False, *, max_tokens_per_rank=None,
                  hidden=None, num_experts=None, num_topk=None, dispatch_dtype="bf16",
                  num_sms=None, backend="auto", copy_outputs=False,
-                 num_max_dispatch_tokens_per_rank=None):
+                 num_max_dispatch_tokens_per_rank=None, low_latency_dtype="bf16"):
         self._ptr = None
         self._handles = weakref.WeakSet()
         if low_latency_mode:
@@ -177,6 +194,7 @@ class Buffer(LowLatencyMixin):
         if str(dispatch_dtype).lower() not in _DISPATCH_DTYPES:
             raise invalid_argument("Buffer: dispatch_dtype %r is not bf16 or fp8"
                                    % (dispatch_dtype,))
+        ll_dtype = _token_dtype("low_latency_dtype", low_latency_dtype)
 
         self._owns_group = not isinstance(group, Group)
         if group is None:
@@ -203,8 +221,10 @@ class Buffer(LowLatencyMixin):
         config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
         config.num_sms = int(Buffer.num_sms if num_sms is None else num_sms)
         config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
+        config.low_latency_dtype = ll_dtype
         self._config = config
         self.low_latency_mode = bool(low_latency_mode)
+        self.low_latency_dtype = "fp8" if ll_dtype == _capi.DTYPE_FP8_E4M3 else "bf16"
         self.num_max_dispatch_tokens_per_rank = config.max_low_latency_tokens
         self.max_tokens_per_rank = config.max_tokens_per_rank
         self.hidden = config.hidden
@@ -261,9 +281,11 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def buffer_size(group, max_tokens_per_rank, hidden, num_experts, num_topk,
-                    dispatch_dtype="bf16", num_max_dispatch_tokens_per_rank=0):
+                    dispatch_dtype="bf16", num_max_dispatch_tokens_per_rank=0,
+                    low_latency_dtype="bf16"):
         """Bytes of communication memory per rank for this shape (nothing allocated),
-        low-latency memory included when num_max_dispatch_tokens_per_rank > 0."""
+        low-latency memory included when num_max_dispatch_tokens_per_rank > 0 (rows
+        sized for low_latency_dtype, as in the constructor)."""
         config = _capi.new(_capi.BufferConfig)
         config.max_tokens_per_rank = int(max_tokens_per_rank)
         config.hidden = int(hidden)
@@ -271,6 +293,7 @@ class Buffer(LowLatencyMixin):
         config.num_topk = int(num_topk)
         config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
         config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
+        config.low_latency_dtype = _token_dtype("low_latency_dtype", low_latency_dtype)
         size = ctypes.c_size_t(0)
         check(_capi.api().epx_buffer_size(group.pointer, ctypes.byref(config),
                                           ctypes.byref(size)), "buffer_size")

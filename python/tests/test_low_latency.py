@@ -411,3 +411,51 @@ def test_argument_errors_are_local(group, tensors1, ll_buffer):
     # The buffer still works.
     recv_x, recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank)
     check_layout(tensors1, case, group.rank, recv_count, handle)
+
+
+# ---------------------------------------------------------------- rows sized for fp8
+
+
+def test_fp8_sized_buffer(group, tensors1, ll_buffer):
+    """low_latency_dtype="fp8" sizes the rows for fp8: less memory, a bf16 dispatch is
+    refused before anything is sent (every rank alike, the buffer stays usable), and an
+    fp8 step gives the same bits and the same combine as on a bf16-sized buffer."""
+    case = LowLatencyCase(group.world_size, seed=29)
+    shape = dict(max_tokens_per_rank=case.max_tokens, hidden=case.hidden,
+                 num_experts=case.num_experts, num_topk=case.num_topk,
+                 num_max_dispatch_tokens_per_rank=case.max_tokens)
+    bf16_bytes = epx.Buffer.buffer_size(group, **shape)
+    fp8_bytes = epx.Buffer.buffer_size(group, low_latency_dtype="fp8", **shape)
+    assert 0 < fp8_bytes < bf16_bytes
+    assert epx.Buffer.buffer_size(group, low_latency_dtype="float8_e4m3fn", **shape) == fp8_bytes
+    with pytest.raises(epx.EpxError) as error:
+        epx.Buffer.buffer_size(group, low_latency_dtype="fp32", **shape)
+    assert error.value.status == Status.ERR_INVALID_ARG
+    assert "low_latency_dtype" in error.value.message
+
+    buffer = ll_buffer(case, low_latency_dtype="fp8")
+    assert buffer.low_latency_dtype == "fp8"
+    with pytest.raises(epx.EpxError) as error:
+        dispatch(buffer, tensors1, case, group.rank, use_fp8=False)
+    assert error.value.status == Status.ERR_INVALID_ARG
+    assert "low_latency_dtype" in error.value.message and "use_fp8" in error.value.message
+
+    (recv_x, scales), recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank,
+                                                          use_fp8=True)
+    rows = check_layout(tensors1, case, group.rank, recv_count, handle)
+    got_x, got_scales = tensors1.get(recv_x), tensors1.get(scales)
+    assert got_x.dtype == FP8
+    assert got_x.shape == (case.experts_per_rank, case.max_tokens * case.world, case.hidden)
+    y = np.zeros(got_x.shape, dtype=BF16)
+    for local, expected in enumerate(rows):
+        if not expected:
+            continue
+        x = np.array([case.inputs(s)[0][t] for s, t in expected], dtype=BF16)
+        q, want_scales, _ = cast_fp8(x, round_scale=False)
+        n = len(expected)
+        np.testing.assert_array_equal(got_x[local, :n].view(np.uint8), q.view(np.uint8))
+        np.testing.assert_array_equal(got_scales[local, :n], want_scales)
+        # The experts answer from the tokens they stand for, so the combine is the model's.
+        y[local, :n] = case.expert_output(group.rank, local, x)
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, y, handle)
+    check_combined(tensors1, case, group.rank, combined)

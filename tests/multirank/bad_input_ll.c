@@ -3,16 +3,18 @@
  * anything is sent, so unlike normal mode the buffer stays usable: the last case runs
  * a valid step on the same buffer.
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bad_input.h"
+#include "mem.h"
 #include "test_util.h"
 
 #define LL_HIDDEN 256
 #define LL_TOKENS 4
 
-static epx_buffer_t ll_buffer(int64_t hidden, int64_t max_ll)
+static epx_buffer_t ll_buffer_of(int64_t hidden, int64_t max_ll, epx_dtype_t ll_dtype)
 {
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = BI_MAX_TOKENS;
@@ -20,9 +22,15 @@ static epx_buffer_t ll_buffer(int64_t hidden, int64_t max_ll)
     config.num_experts = BI_EXPERTS_PER_RANK * bi_info.world_size;
     config.num_topk = BI_TOPK;
     config.max_low_latency_tokens = max_ll;
+    config.low_latency_dtype = ll_dtype;
     epx_buffer_t buffer;
     CHECK_OK(epx_buffer_create(bi_group, &config, &buffer));
     return buffer;
+}
+
+static epx_buffer_t ll_buffer(int64_t hidden, int64_t max_ll)
+{
+    return ll_buffer_of(hidden, max_ll, EPX_DTYPE_BF16);
 }
 
 static uint16_t x_data[BI_MAX_TOKENS * 2 * 512];
@@ -59,9 +67,38 @@ void bi_run_ll_cases(void)
     config.num_experts = BI_EXPERTS_PER_RANK;
     config.num_topk = BI_TOPK;
     config.max_low_latency_tokens = -1;
-    epx_buffer_t none;
+    epx_buffer_t none = NULL;
     bi_expect("ll: negative max_low_latency_tokens", epx_buffer_create(bi_group, &config, &none),
               EPX_ERR_INVALID_ARG, "max_low_latency_tokens");
+    config.max_low_latency_tokens = BI_MAX_TOKENS;
+    config.low_latency_dtype = EPX_DTYPE_FP32;
+    size_t bytes = 0;
+    bi_expect("ll: buffer_size with low_latency_dtype fp32",
+              epx_buffer_size(bi_group, &config, &bytes), EPX_ERR_INVALID_ARG,
+              "config.low_latency_dtype");
+    CHECK_ERROR_MENTIONS("fp32");
+    bi_expect("ll: low_latency_dtype fp32", epx_buffer_create(bi_group, &config, &none),
+              EPX_ERR_INVALID_ARG, "config.low_latency_dtype");
+    CHECK(none == NULL);
+    config.low_latency_dtype = EPX_DTYPE_FP8_E4M3;
+    config.hidden = 64;
+    bi_expect("ll: low_latency_dtype fp8 with hidden 64",
+              epx_buffer_create(bi_group, &config, &none), EPX_ERR_INVALID_ARG,
+              "config.hidden");
+    CHECK(none == NULL);
+    /* A config from before the field was appended (size up to it) ignores whatever lies
+     * there and sizes for bf16, as 0 does. */
+    config.hidden = LL_HIDDEN;
+    config.low_latency_dtype = EPX_DTYPE_BF16;
+    size_t bf16_bytes = 0;
+    CHECK_OK(epx_buffer_size(bi_group, &config, &bf16_bytes));
+    config.low_latency_dtype = EPX_DTYPE_INVALID;
+    CHECK_OK(epx_buffer_size(bi_group, &config, &bytes));
+    CHECK_EQ_INT(bytes, bf16_bytes);
+    config.low_latency_dtype = EPX_DTYPE_FP32;
+    config.size = offsetof(epx_buffer_config_t, low_latency_dtype);
+    CHECK_OK(epx_buffer_size(bi_group, &config, &bytes));
+    CHECK_EQ_INT(bytes, bf16_bytes);
 
     epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
     epx_ll_dispatch_args_t args;
@@ -115,6 +152,33 @@ void bi_run_ll_cases(void)
               EPX_ERR_INVALID_ARG, "use_fp8");
     CHECK_OK(epx_buffer_destroy(narrow));
 
+    /* A buffer sized for fp8 rows refuses a bf16 dispatch before sending anything: the
+     * slots do not turn over, so a correct fp8 step on it works right after. */
+    epx_buffer_t fp8_only = ll_buffer_of(LL_HIDDEN, BI_MAX_TOKENS, EPX_DTYPE_FP8_E4M3);
+    args = ll_args(LL_HIDDEN, LL_TOKENS);
+    bi_expect("ll: bf16 dispatch on an fp8-sized buffer",
+              epx_ll_dispatch(fp8_only, &args, &result, NULL), EPX_ERR_INVALID_ARG, "use_fp8");
+    CHECK_ERROR_MENTIONS("low_latency_dtype");
+    args.use_fp8 = 1;
+    epx_ll_dispatch_result_t fp8_result = EPX_LL_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_ll_dispatch(fp8_only, &args, &fp8_result, NULL));
+    CHECK_EQ_INT(fp8_result.recv_x.dtype, EPX_DTYPE_FP8_E4M3);
+    CHECK_EQ_INT(fp8_result.recv_x.shape[2], LL_HIDDEN);
+    /* ll_args routes token t to experts 2t and 2t + 1 (mod 8), all rank 0's: rank 0
+     * gets one row per top-k entry of every rank, the others none. */
+    int32_t counts[BI_EXPERTS_PER_RANK];
+    CHECK_EQ_INT(fp8_result.recv_count.shape[0], BI_EXPERTS_PER_RANK);
+    mr_mem_to_host(counts, fp8_result.recv_count.data, sizeof(counts));
+    int64_t received = 0;
+    for (int local = 0; local < BI_EXPERTS_PER_RANK; local++)
+        received += counts[local];
+    CHECK_EQ_INT(received, bi_info.rank == 0 ? LL_TOKENS * BI_TOPK * bi_info.world_size : 0);
+    epx_tensor_t fp8_x;
+    CHECK_OK(epx_ll_get_combine_buffer(fp8_only, fp8_result.handle, &fp8_x));
+    epx_ll_combine_args_t fp8_back = ll_combine_args(fp8_result.handle, fp8_x);
+    CHECK_OK(epx_ll_combine(fp8_only, &fp8_back, NULL, NULL));
+    CHECK_OK(epx_buffer_destroy(fp8_only));
+
     /* A valid step, then bad combines on it. */
     args = ll_args(LL_HIDDEN, LL_TOKENS);
     CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
@@ -150,4 +214,67 @@ void bi_run_ll_cases(void)
     back = ll_combine_args(result.handle, x);
     CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
     CHECK_OK(epx_buffer_destroy(buffer));
+}
+
+void bi_run_ll_alignment_cases(void)
+{
+    const int64_t hidden = LL_HIDDEN, tokens = LL_TOKENS;
+    const size_t x_bytes = (size_t)(tokens * hidden) * 2 + 16;
+    epx_buffer_t buffer = ll_buffer(hidden, BI_MAX_TOKENS);
+    /* Inputs in the memory the backend uses (device memory on the GPU). */
+    for (size_t i = 0; i < x_bytes / 2; i++)
+        x_data[i] = (uint16_t)(0x3c00 + (i * 37 + (size_t)bi_info.rank) % 512);
+    for (int64_t i = 0; i < tokens * BI_TOPK; i++)
+        idx_data[i] = (i * 3 + bi_info.rank) % (BI_EXPERTS_PER_RANK * bi_info.world_size);
+    for (int64_t i = 0; i < tokens * BI_TOPK; i++)
+        weight_data[i] = 0.25f;
+    char *x = mr_mem_from_host(x_data, x_bytes);
+    int64_t *idx = mr_mem_from_host(idx_data, (size_t)(tokens * BI_TOPK) * sizeof(int64_t));
+    float *weights = mr_mem_from_host(weight_data, (size_t)(tokens * BI_TOPK) * sizeof(float));
+    char *out = mr_mem_alloc((size_t)(tokens * hidden) * 2 + 16, 0);
+
+    epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
+    args.topk_idx = epx_tensor_2d(idx, EPX_DTYPE_INT64, tokens, BI_TOPK);
+    epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
+    int gpu = bi_info.backend == EPX_BACKEND_CUDA;
+    if (gpu) {
+        args.x = epx_tensor_2d(x + 2, EPX_DTYPE_BF16, tokens, hidden);
+        bi_expect("ll: dispatch x 2 bytes off a 16-byte boundary",
+                  epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG, "x");
+        CHECK_ERROR_MENTIONS("16-byte");
+        args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, tokens - 1, hidden);
+        args.x.strides[0] = hidden + 4; /* row pitch 2 * (hidden + 4) bytes */
+        args.x.strides[1] = 1;
+        args.topk_idx.shape[0] = tokens - 1;
+        bi_expect("ll: dispatch x rows 8 bytes apart from 16-byte boundaries",
+                  epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG, "x");
+        args.topk_idx.shape[0] = tokens;
+    }
+    /* Not refused, nothing turned over: a valid step now. */
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, tokens, hidden);
+    CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
+    epx_tensor_t combine_x;
+    CHECK_OK(epx_ll_get_combine_buffer(buffer, result.handle, &combine_x));
+    epx_ll_combine_args_t back = EPX_LL_COMBINE_ARGS_INIT;
+    back.handle = result.handle;
+    back.x = combine_x;
+    back.topk_idx = args.topk_idx;
+    back.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, tokens, BI_TOPK);
+    if (gpu) {
+        back.out = epx_tensor_2d(out + 2, EPX_DTYPE_BF16, tokens, hidden);
+        bi_expect("ll: combine out 2 bytes off a 16-byte boundary",
+                  epx_ll_combine(buffer, &back, NULL, NULL), EPX_ERR_INVALID_ARG, "out");
+        CHECK_ERROR_MENTIONS("16-byte");
+    }
+    back.out = epx_tensor_2d(out, EPX_DTYPE_BF16, tokens, hidden);
+    CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
+    CHECK_OK(epx_ll_clean_buffer(buffer, NULL));
+    epx_status_t async = EPX_SUCCESS;
+    CHECK_OK(epx_get_async_error(buffer, &async, NULL, 0));
+    CHECK_EQ_INT(async, EPX_SUCCESS);
+    CHECK_OK(epx_buffer_destroy(buffer));
+    mr_mem_free(x);
+    mr_mem_free(idx);
+    mr_mem_free(weights);
+    mr_mem_free(out);
 }

@@ -110,6 +110,18 @@ static void run_bad_configs(void)
                   epx_status_name(got), epx_last_error());
     bi_expect("buffer_create: rank 1's config differs", got, got, peer);
     CHECK(buffer == NULL);
+
+    /* Low-latency rows sized differently on one rank would misplace every peer's writes. */
+    config.hidden = BI_HIDDEN;
+    config.max_low_latency_tokens = 4;
+    config.low_latency_dtype = bi_info.rank == 1 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
+    got = epx_buffer_create(bi_group, &config, &buffer);
+    if (got != EPX_ERR_INVALID_ARG && got != EPX_ERR_REMOTE)
+        TEST_FAIL("buffer_create with rank 1's low_latency_dtype different returned %s (last "
+                  "error: %s)",
+                  epx_status_name(got), epx_last_error());
+    bi_expect("buffer_create: rank 1's low_latency_dtype differs", got, got, peer);
+    CHECK(buffer == NULL);
 }
 
 void bi_run_remote_cases(void)
@@ -120,6 +132,7 @@ void bi_run_remote_cases(void)
                      BI_MAX_TOKENS + 3, no_change, EPX_ERR_CAPACITY, "max_tokens_per_rank");
     run_bad_combine();
     run_bad_configs();
+    bi_run_ll_alignment_cases();
 
     /* After all that, a fresh buffer works on every rank. */
     bi_fixture_t f;

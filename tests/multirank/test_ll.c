@@ -4,7 +4,8 @@
  *   epx launch -n N -- test_ll [--backend host|cuda|auto]
  *
  * Cases: bf16; fp8 with fp32 scales, power-of-two scales, and packed ue8m0; -1 entries
- * and a duplicated expert; an empty rank; EPX_LL_SEND_ONLY with receive; two steps in
+ * and a duplicated expert; an empty rank; fp8 on buffers sized for fp8 rows
+ * (config.low_latency_dtype = FP8_E4M3); EPX_LL_SEND_ONLY with receive; two steps in
  * flight with step 0's combine after step 1's dispatch, through the zero-copy combine
  * buffer; every misuse error (which must leave the buffer usable); a masked rank (with
  * two or more ranks). Values are compared exactly (same algorithm, same rounding).
@@ -54,7 +55,8 @@ typedef struct {
     recv_host_t recv;                 /* got, copied back by check_dispatch */
 } step_t;
 
-static epx_buffer_t make_buffer(int64_t hidden)
+/* `ll_dtype`: the buffer's low_latency_dtype (FP8_E4M3: rows sized for fp8 dispatch). */
+static epx_buffer_t make_buffer_of(int64_t hidden, epx_dtype_t ll_dtype)
 {
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = MAX_TOKENS;
@@ -62,9 +64,15 @@ static epx_buffer_t make_buffer(int64_t hidden)
     config.num_experts = EXPERTS_PER_RANK * info.world_size;
     config.num_topk = TOPK;
     config.max_low_latency_tokens = MAX_TOKENS;
+    config.low_latency_dtype = ll_dtype;
     epx_buffer_t buffer;
     CHECK_OK(epx_buffer_create(group, &config, &buffer));
     return buffer;
+}
+
+static epx_buffer_t make_buffer(int64_t hidden)
+{
+    return make_buffer_of(hidden, EPX_DTYPE_BF16);
 }
 
 static size_t out_bytes(const step_t *s)
@@ -78,6 +86,9 @@ static size_t combine_input_bytes(int64_t hidden)
     return (size_t)EXPERTS_PER_RANK * MAX_TOKENS * (size_t)info.world_size * (size_t)hidden * 2;
 }
 
+/* Routing of the steps (run_crowded switches it to send everything to expert 0). */
+static moe_routing_t routing = MOE_ROUTING_RANDOM;
+
 static void step_init(step_t *s, uint64_t seed, int64_t hidden, int64_t tokens, int empty_rank,
                       moe_ll_cast_t cast)
 {
@@ -90,7 +101,7 @@ static void step_init(step_t *s, uint64_t seed, int64_t hidden, int64_t tokens, 
     s->c.dtype = EPX_DTYPE_BF16;
     s->c.expert_alignment = 1;
     s->c.seed = seed;
-    s->c.routing = MOE_ROUTING_RANDOM;
+    s->c.routing = routing;
     s->c.drop_fraction = 0.2;
     s->c.empty_rank = empty_rank;
     s->cast = cast;
@@ -409,14 +420,29 @@ static void check_combine(step_t *s, const uint8_t *mask,
     free(want);
 }
 
-/* One blocking step: dispatch, check, combine, check. */
-static void run_blocking(const char *name, int64_t hidden, moe_ll_cast_t cast, int empty_rank)
+/*
+ * Three steps, dispatch, check, combine, check, on a buffer of low_latency_dtype
+ * `ll_dtype`; with `split` every other step goes through EPX_LL_SEND_ONLY + receive.
+ */
+static void run_steps(const char *name, int64_t hidden, moe_ll_cast_t cast, int empty_rank,
+                      epx_dtype_t ll_dtype, int split)
 {
-    epx_buffer_t buffer = make_buffer(hidden);
+    epx_buffer_t buffer = make_buffer_of(hidden, ll_dtype);
     for (int iteration = 0; iteration < 3; iteration++) {
         step_t s;
         step_init(&s, 100 + (uint64_t)iteration, hidden, MAX_TOKENS - iteration, empty_rank, cast);
-        CHECK_OK(step_dispatch(buffer, &s, 0));
+        int send_only = split && iteration % 2 == 1;
+        if (ll_dtype == EPX_DTYPE_FP8_E4M3 && iteration == 1) {
+            /* Refused before anything is sent: the step below still pairs up across ranks. */
+            moe_ll_cast_t wanted = s.cast;
+            s.cast = (moe_ll_cast_t){0, 0, 0};
+            CHECK_STATUS(step_dispatch(buffer, &s, 0), EPX_ERR_INVALID_ARG);
+            CHECK_ERROR_MENTIONS("low_latency_dtype");
+            s.cast = wanted;
+        }
+        CHECK_OK(step_dispatch(buffer, &s, send_only ? EPX_LL_SEND_ONLY : 0));
+        if (send_only)
+            CHECK_OK(epx_ll_receive(buffer, s.got.handle, NULL));
         check_dispatch(&s, NULL);
         void *x = alloc_expert_outputs(&s);
         epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
@@ -429,6 +455,61 @@ static void run_blocking(const char *name, int64_t hidden, moe_ll_cast_t cast, i
     CHECK_OK(epx_buffer_destroy(buffer));
     if (info.rank == 0)
         printf("test_ll: %s ok\n", name);
+}
+
+/* One blocking step at a time on a buffer sized for bf16 rows (the default). */
+static void run_blocking(const char *name, int64_t hidden, moe_ll_cast_t cast, int empty_rank)
+{
+    run_steps(name, hidden, cast, empty_rank, EPX_DTYPE_BF16, 0);
+}
+
+/*
+ * Every token to expert 0: with several ranks it receives more rows than M, so the
+ * receive must pack rows over cells not read yet (M - 1 and M - 2 tokens per rank shift
+ * each source's rows by a few places only), in bf16 and fp8 with UE8M0 scales.
+ */
+static void run_crowded(void)
+{
+    moe_ll_cast_t bf16 = {0, 0, 0}, ue8m0 = {1, 1, 1};
+    routing = MOE_ROUTING_ONE_EXPERT;
+    run_steps("crowded expert, bf16", 256, bf16, -1, EPX_DTYPE_BF16, 0);
+    run_steps("crowded expert, fp8 ue8m0", 512, ue8m0, -1, EPX_DTYPE_BF16, 1);
+    routing = MOE_ROUTING_RANDOM;
+}
+
+/*
+ * A CUDA buffer across nodes (EPX_RANKS_PER_NODE below the world size) has no normal
+ * mode: its calls are refused before anything is sent, and low-latency steps on the same
+ * buffer still work.
+ */
+static void run_across_nodes(void)
+{
+    epx_buffer_t buffer = make_buffer(256);
+    epx_dispatch_args_t args = EPX_DISPATCH_ARGS_INIT;
+    epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
+    epx_status_t got = epx_dispatch(buffer, &args, &result, NULL);
+    if (got != EPX_ERR_UNSUPPORTED || strstr(epx_last_error(), "epx_ll_") == NULL)
+        TEST_FAIL("rank %d: epx_dispatch across nodes returned %s (%s), expected "
+                  "EPX_ERR_UNSUPPORTED pointing at the epx_ll_* calls",
+                  info.rank, epx_status_name(got), epx_last_error());
+    epx_combine_args_t back = EPX_COMBINE_ARGS_INIT;
+    CHECK_STATUS(epx_combine(buffer, &back, NULL), EPX_ERR_UNSUPPORTED);
+    moe_ll_cast_t fp8 = {1, 0, 0};
+    step_t s;
+    step_init(&s, 7, 256, MAX_TOKENS, -1, fp8);
+    CHECK_OK(step_dispatch(buffer, &s, 0));
+    check_dispatch(&s, NULL);
+    void *x = alloc_expert_outputs(&s);
+    epx_ll_combine_result_t combined = EPX_LL_COMBINE_RESULT_INIT;
+    CHECK_OK(step_combine(buffer, &s, x, 0, &combined));
+    check_combine(&s, NULL, &combined);
+    check_no_async_error(buffer, "across nodes");
+    mr_mem_free(x);
+    step_free(&s);
+    CHECK_OK(epx_buffer_destroy(buffer));
+    if (info.rank == 0)
+        printf("test_ll: across %d nodes: normal mode refused, low-latency ok\n",
+               info.world_size / info.ranks_per_node);
 }
 
 /* Two steps in flight; step 0's combine after step 1's dispatch; zero-copy combine. */
@@ -606,6 +687,13 @@ int main(int argc, char **argv)
     run_blocking("fp8 power-of-two scales", 384, fp8_pow2, -1);
     run_blocking("fp8 ue8m0", 512, ue8m0, -1);
     run_blocking("empty rank", 128, bf16, info.world_size - 1);
+    /* Buffers sized for fp8 rows (config.low_latency_dtype): the same results. */
+    run_steps("fp8 on an fp8-sized buffer", 256, fp8, -1, EPX_DTYPE_FP8_E4M3, 1);
+    run_steps("fp8 ue8m0 on an fp8-sized buffer, empty rank", 512, ue8m0, info.world_size - 1,
+              EPX_DTYPE_FP8_E4M3, 1);
+    run_crowded();
+    if (info.backend == EPX_BACKEND_CUDA && info.ranks_per_node < info.world_size)
+        run_across_nodes();
     run_overlap();
     run_misuse();
     if (info.world_size >= 2)

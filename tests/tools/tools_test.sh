@@ -197,6 +197,16 @@ bench_bad_flag)
     run "$EPX" bench --mode ll --dtype bf16 --ue8m0
     expect_rc 2
     expect_err 'apply to fp8 dispatch'
+    # A buffer sized for fp8 rows cannot carry a bf16 dispatch; the sizing is ll's.
+    run "$EPX" bench --mode ll --dtype all --ll-dtype fp8
+    expect_rc 2
+    expect_err 'give --ll-dtype bf16'
+    run "$EPX" bench --mode ll --ll-dtype fp16
+    expect_rc 2
+    expect_err "bad value for --ll-dtype: 'fp16'"
+    run "$EPX" bench --ll-dtype bf16
+    expect_rc 2
+    expect_err '--ll-dtype needs --mode ll'
     ;;
 bench_check)
     run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check
@@ -262,6 +272,21 @@ bench_ll_check)
     expect_out '^# epx bench --mode ll: backend host, 1 ranks, tokens 128 hidden 256 experts 4 topk 2'
     expect_count ' PASS$' out 11
     expect_count '^  bf16 ' out 0
+    # fp8 dispatch only: the buffer's low-latency rows are sized for fp8.
+    expect_out '^# buffer: .* (max_low_latency_tokens 128, low_latency_dtype fp8: '
+    # --ll-dtype bf16 measures a buffer sized for bf16 rows: same results, more memory.
+    run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2 --json
+    expect_rc 0
+    fp8_bytes=$(sed -n 's/.*"ll_buffer_bytes_per_rank":\([0-9]*\),"ll_dtype":"fp8".*/\1/p' \
+        "$TMP/out" | sort -u)
+    run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2 --json \
+        --ll-dtype bf16
+    expect_rc 0
+    expect_count '"dtype":"fp8".*"ll_dtype":"bf16".*"check":"PASS"' out 11
+    bf16_bytes=$(sed -n 's/.*"ll_buffer_bytes_per_rank":\([0-9]*\),"ll_dtype":"bf16".*/\1/p' \
+        "$TMP/out" | sort -u)
+    [ -n "$fp8_bytes" ] && [ -n "$bf16_bytes" ] && [ "$fp8_bytes" -lt "$bf16_bytes" ] ||
+        fail "low-latency bytes: '$fp8_bytes' with fp8 rows, '$bf16_bytes' with bf16 rows"
     # An epx call that fails: the library's message, and a nonzero status.
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
     expect_rc 1

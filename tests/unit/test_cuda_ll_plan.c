@@ -1,8 +1,9 @@
 /*
  * The CUDA backend's low-latency memory plan (src/ops/cuda/ll_setup.c), which needs no
  * GPU: every region of the symmetric heap and of the local memory aligned, in order,
- * not overlapping and large enough; both slots alike; what epx_buffer_size adds for it;
- * the configs it refuses, each naming why.
+ * not overlapping and large enough (rows sized by low_latency_dtype, the puts' staging
+ * only across nodes); both slots alike; what epx_buffer_size adds for it; the standard
+ * case's size; the configs it refuses, each naming why.
  */
 #include <stdio.h>
 
@@ -52,34 +53,41 @@ static size_t check_regions(const region_t *regions, size_t count)
     return end;
 }
 
-static void check_plan(int world, int64_t m, int64_t hidden, int experts, int topk)
+static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int experts, int topk,
+                       epx_dtype_t dtype)
 {
     struct epx_group g = make_group(world - 1, world);
+    g.ranks_per_node = world / nodes;
     epx_buffer_config_t c = make_config(m, hidden, experts, topk);
+    c.low_latency_dtype = dtype;
     epx_ll_shape_t s;
     size_t sym = 0, local = 0;
     CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
     size_t L = (size_t)(experts / world), rows = (size_t)(m * world), H = (size_t)hidden;
     size_t S = hidden % 128 == 0 ? H / 128 : 0, cells = L * (size_t)world * (size_t)m;
+    size_t row = dtype == EPX_DTYPE_FP8_E4M3 ? H : H * 2, puts = nodes > 1;
     CHECK_EQ_INT(s.rows, (int64_t)rows);
     CHECK_EQ_INT(s.num_local, (int64_t)L);
     CHECK_EQ_INT(s.scale_cols, (int64_t)S);
-    CHECK_EQ_INT(s.x_row_bytes, H * 2);
+    CHECK_EQ_INT(s.x_row_bytes, row);
+    CHECK_EQ_INT(s.may_put, (int)puts);
     CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
     CHECK_EQ_INT(s.blocks, 16);
 
-    /* Symmetric heap: the flags, then two slots with the same inner layout. */
+    /* Symmetric heap: the flags, then two slots with the same inner layout; the cells
+     * are the dispatch results (packed in place), one row each; the puts' staging only
+     * when a peer may need puts. */
     region_t slot_regions[] = {
-        {s.stage_count, L * (size_t)world * 4},
-        {s.stage_x, cells * H * 2},
-        {s.stage_scales, cells * S * 4},
-        {s.stage_token, cells * 4},
-        {s.stage_topk, cells * 4},
-        {s.combine_stage, (size_t)m * (size_t)topk * H * 2},
-        {s.combine_in, L * rows * H * 2},
-        {s.send_x, (size_t)m * H * 2},
-        {s.send_scales, (size_t)m * S * 4},
+        {s.sent_count, L * (size_t)world * 4},
+        {s.recv_x, cells * row},
+        {s.recv_scales, cells * S * 4},
+        {s.recv_src_info, cells * 4},
+        {s.recv_topk, cells * 4},
         {s.recv_range, L * (size_t)world * 8},
+        {s.combine_in, L * rows * H * 2},
+        {s.combine_stage, puts * (size_t)m * (size_t)topk * H * 2},
+        {s.send_x, puts * (size_t)m * row},
+        {s.send_scales, puts * (size_t)m * S * 4},
     };
     size_t slot_bytes = check_regions(slot_regions, sizeof(slot_regions) / sizeof(slot_regions[0]));
     region_t heap[] = {
@@ -91,23 +99,22 @@ static void check_plan(int world, int64_t m, int64_t hidden, int experts, int to
     /* The zero-copy combine input is read with 16-byte vectors. */
     CHECK_EQ_INT((s.slot[1] + s.combine_in) % 16, 0);
 
-    /* Local memory: two slots of results, then the state. */
+    /* Local memory: two slots of bookkeeping, then the state. */
     region_t local_regions[] = {
-        {s.recv_x, L * rows * H * 2},
-        {s.recv_scales, L * rows * S * 4},
         {s.recv_count, L * 4},
-        {s.recv_src_info, L * rows * 4},
         {s.recv_src_rank, L * rows * 4},
-        {s.recv_topk, L * rows * 4},
         {s.send_pos, (size_t)m * (size_t)topk * 4},
     };
     size_t results = check_regions(local_regions, sizeof(local_regions) / sizeof(local_regions[0]));
     CHECK(s.local_slot_bytes >= results);
     CHECK_EQ_INT(s.local_slot_bytes % 256, 0);
-    size_t state = 4 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8;
+    size_t state = 6 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8;
     CHECK(local >= 2 * s.local_slot_bytes + state);
 
-    /* epx_buffer_size counts it on top of normal mode's part. */
+    /* epx_buffer_size counts it on top of normal mode's part (one node only: across
+     * nodes a CUDA buffer has no normal-mode part). */
+    if (nodes > 1)
+        return;
     size_t with = 0, without = 0;
     CHECK_OK(epx__cuda_backend.buffer_size(&g, &c, &with));
     c.max_low_latency_tokens = 0;
@@ -115,7 +122,8 @@ static void check_plan(int world, int64_t m, int64_t hidden, int experts, int to
     CHECK_EQ_INT(with - without, sym + local);
 }
 
-/* The standard low-latency case: what docs/PERFORMANCE.md reports for memory. */
+/* The standard low-latency case: what docs/PERFORMANCE.md reports for memory (DeepEP's
+ * buffer for it is 1.9 GB). */
 static void check_standard_case(void)
 {
     struct epx_group g = make_group(0, 8);
@@ -123,8 +131,12 @@ static void check_standard_case(void)
     epx_ll_shape_t s;
     size_t sym = 0, local = 0;
     CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
-    CHECK(sym > 1920000000u && sym < 1935000000u);
-    CHECK(local > 950000000u && local < 970000000u);
+    CHECK(sym > 1890000000u && sym < 1900000000u);
+    CHECK(local < 1000000u);
+    c.low_latency_dtype = EPX_DTYPE_FP8_E4M3;
+    CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
+    CHECK(sym > 1420000000u && sym < 1430000000u);
+    CHECK(local < 1000000u);
 }
 
 static void check_refusals(void)
@@ -149,10 +161,12 @@ static void check_refusals(void)
 
 int main(void)
 {
-    check_plan(8, 128, 7168, 256, 8);
-    check_plan(1, 1, 8, 1, 1);
-    check_plan(3, 7, 136, 9, 9);     /* hidden not a multiple of 128: no scales; topk = E */
-    check_plan(2, 33, 1024, 64, 40); /* more than 32 top-k entries */
+    check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_BF16);
+    check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3);
+    check_plan(8, 2, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3); /* two nodes: puts reserved */
+    check_plan(1, 1, 1, 8, 1, 1, EPX_DTYPE_BF16);
+    check_plan(3, 1, 7, 136, 9, 9, EPX_DTYPE_BF16); /* hidden not a multiple of 128: no scales; topk = E */
+    check_plan(2, 2, 33, 1024, 64, 40, EPX_DTYPE_BF16); /* more than 32 top-k entries */
     check_standard_case();
     check_refusals();
     printf("test_cuda_ll_plan: ok\n");

@@ -368,6 +368,29 @@ static int body_rank_exits(int rank, epx_buffer_t buffer)
 
 /* ---------------------------------------------------------------- harness */
 
+/*
+ * epx_buffer_size with low-latency memory sized for fp8 rows: the staged and the
+ * received dispatch rows of both slots shrink from 2 bytes per element to 1, nothing
+ * else changes. HIDDEN * 64 tokens keeps every region a multiple of the 64-byte
+ * alignment and the saving a multiple of the 4 KiB page, so it shows exactly.
+ */
+static void check_low_latency_sizes(epx_group_t group, epx_buffer_config_t config)
+{
+    const int64_t ll_tokens = 64;
+    config.max_low_latency_tokens = ll_tokens;
+    size_t unset = 0, bf16 = 0, fp8 = 0;
+    config.low_latency_dtype = EPX_DTYPE_INVALID; /* 0 means bf16 */
+    CHECK_OK(epx_buffer_size(group, &config, &unset));
+    config.low_latency_dtype = EPX_DTYPE_BF16;
+    CHECK_OK(epx_buffer_size(group, &config, &bf16));
+    config.low_latency_dtype = EPX_DTYPE_FP8_E4M3;
+    CHECK_OK(epx_buffer_size(group, &config, &fp8));
+    CHECK_EQ_INT(unset, bf16);
+    CHECK(fp8 < bf16);
+    /* [L][R][M] cells per region = EXPERTS * M; 2 regions x 2 slots x 1 byte saved. */
+    CHECK_EQ_INT(bf16 - fp8, 2 * 2 * (int64_t)EXPERTS * ll_tokens * HIDDEN);
+}
+
 static int run_rank(int rank, int world, const epx_unique_id_t *id, rank_body_t body)
 {
     epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
@@ -386,6 +409,7 @@ static int run_rank(int rank, int world, const epx_unique_id_t *id, rank_body_t 
     size_t bytes = 0;
     CHECK_OK(epx_buffer_size(group, &buffer_config, &bytes));
     CHECK(bytes > (size_t)(MAX_TOKENS * world) * HIDDEN * 2 * 2); /* receive + staging */
+    check_low_latency_sizes(group, buffer_config);
     epx_buffer_t buffer = NULL;
     CHECK_OK(epx_buffer_create(group, &buffer_config, &buffer));
     int code = body(rank, buffer);

@@ -5,7 +5,9 @@
  *
  * Normal mode runs over CUDA IPC, so every rank of the group must be in one IPC domain
  * (ranks_per_node == world_size): one node's NVLink GPUs, or several processes sharing
- * a GPU under MPS. Across nodes normal mode needs NVSHMEM, which this file does not use.
+ * a GPU under MPS. Across nodes normal mode would need NVSHMEM, which it does not use;
+ * a buffer there gets the low-latency part only (epx__cuda_choose_parts), and its
+ * normal-mode entry points say so (epx__cuda_require_normal).
  */
 #include <sched.h>
 #include <stdlib.h>
@@ -45,6 +47,43 @@ int epx__cuda_blocks_for(const epx__cuda_buffer_t *cuda, int64_t tokens)
     if (wanted > cuda->num_sms)
         wanted = cuda->num_sms;
     return wanted < 1 ? 1 : (int)wanted;
+}
+
+int epx__cuda_num_nodes(epx_group_t group)
+{
+    if (group->ranks_per_node <= 0)
+        return 1;
+    return group->world_size / group->ranks_per_node;
+}
+
+epx_status_t epx__cuda_choose_parts(epx_group_t group, const epx_buffer_config_t *config,
+                                    int *with_normal)
+{
+    int nodes = epx__cuda_num_nodes(group);
+    if (nodes <= 1) {
+        *with_normal = 1;
+        return EPX_SUCCESS;
+    }
+    if (config->max_low_latency_tokens <= 0)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: the group spans %d nodes (ranks_per_node %d, world size %d); "
+                         "across nodes the CUDA backend offers the low-latency mode only (set "
+                         "max_low_latency_tokens > 0 and use the epx_ll_* calls): normal mode "
+                         "runs over CUDA IPC and needs every rank in one node",
+                         nodes, group->ranks_per_node, group->world_size);
+    *with_normal = 0;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_require_normal(epx_buffer_t buffer, const char *op)
+{
+    const epx__cuda_buffer_t *cuda = buffer->impl;
+    if (cuda->ipc != NULL)
+        return EPX_SUCCESS;
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                     "%s: normal mode needs all ranks of the group on one node (CUDA IPC); this "
+                     "buffer spans %d nodes: use the low-latency calls (epx_ll_*)",
+                     op, epx__cuda_num_nodes(buffer->group));
 }
 
 epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
@@ -116,13 +155,19 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
 static epx_status_t cuda_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
                                      size_t *bytes)
 {
-    epx__cuda_shape_t shape;
-    size_t slot = 0;
-    EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
+    int with_normal = 0;
+    EPX_CHECK(epx__cuda_choose_parts(group, config, &with_normal));
+    size_t normal_bytes = 0;
+    if (with_normal) {
+        epx__cuda_shape_t shape;
+        size_t slot = 0;
+        EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
+        normal_bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t);
+    }
     epx_ll_shape_t ll_shape;
     size_t ll_sym = 0, ll_local = 0;
     EPX_CHECK(epx__cuda_ll_plan(group, config, &ll_shape, &ll_sym, &ll_local));
-    *bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t) + ll_sym + ll_local;
+    *bytes = normal_bytes + ll_sym + ll_local;
     return EPX_SUCCESS;
 }
 
@@ -196,9 +241,12 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     if (cuda == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
     cuda->num_sms = buffer->config.num_sms;
-    /* Every rank runs the same checks on the same config, so all fail alike here. */
-    epx_status_t status = epx__cuda_plan(group, &buffer->config, &cuda->shape,
-                                         &cuda->handle_slot_bytes);
+    /* Every rank runs the same checks on the same config and group (the group's ranks
+     * agreed on ranks_per_node), so all fail alike here and all choose the same parts. */
+    int with_normal = 0;
+    epx_status_t status = epx__cuda_choose_parts(group, &buffer->config, &with_normal);
+    if (status == EPX_SUCCESS && with_normal)
+        status = epx__cuda_plan(group, &buffer->config, &cuda->shape, &cuda->handle_slot_bytes);
     if (status != EPX_SUCCESS) {
         free(cuda);
         return status;
@@ -206,10 +254,13 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     cudaError_t err = cudaSetDevice(group->device);
     if (err != cudaSuccess)
         status = EPX_CUDA_ERROR(err, "buffer_create: cudaSetDevice(%d)", group->device);
-    /* Collective: a local failure above is carried into the IPC step's vote. */
-    status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status, &cuda->ipc);
-    if (status == EPX_SUCCESS)
-        status = create_local(buffer, cuda);
+    if (with_normal) {
+        /* Collective: a local failure above is carried into the IPC step's vote. */
+        status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status,
+                                      &cuda->ipc);
+        if (status == EPX_SUCCESS)
+            status = create_local(buffer, cuda);
+    }
     /* Low-latency mode (collective as well; a failure above joins its votes). */
     status = epx__cuda_ll_create(buffer, status, &cuda->ll);
     /* Everyone learns whether everyone is ready before any rank starts an operation. */
@@ -230,9 +281,16 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
         return status;
     }
     buffer->impl = cuda;
-    EPX_INFO(EPX_SUBSYS_TRANSPORT,
-             "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",
-             group->device, (double)cuda->shape.shared_bytes / 1e6, group->world_size - 1);
+    if (with_normal)
+        EPX_INFO(EPX_SUBSYS_TRANSPORT,
+                 "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",
+                 group->device, (double)cuda->shape.shared_bytes / 1e6, group->world_size - 1);
+    else
+        EPX_INFO(EPX_SUBSYS_TRANSPORT,
+                 "cuda buffer: device %d, the group spans %d nodes (%d ranks per node): "
+                 "low-latency mode only (NVSHMEM), no normal-mode part over CUDA IPC; "
+                 "dispatch and combine return EPX_ERR_UNSUPPORTED",
+                 group->device, epx__cuda_num_nodes(group), group->ranks_per_node);
     return EPX_SUCCESS;
 }
 
@@ -240,6 +298,7 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
 static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t *rows)
 {
     const epx__cuda_buffer_t *cuda = buffer->impl;
+    EPX_CHECK(epx__cuda_require_normal(buffer, "get_combine_input"));
     *base = (char *)cuda->ipc->local + cuda->shape.off_combine_input;
     *rows = cuda->shape.max_recv;
     return EPX_SUCCESS;
@@ -285,7 +344,8 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
     (void)cudaSetDevice(buffer->group->device);
     /* Let this rank's queued operations finish, then wait until every peer's have:
      * a peer may still be reading this rank's memory (combine pulls). A buffer that
-     * failed skips the barrier: its peers may be gone. */
+     * failed skips the barrier: its peers may be gone. Parts a buffer does not have
+     * (no normal mode across nodes, no low-latency mode) are NULL and skipped. */
     (void)cudaDeviceSynchronize();
     int healthy = atomic_load(&buffer->async_error) == EPX_SUCCESS &&
                   !epx__cuda_note_failure(buffer);
@@ -302,7 +362,9 @@ static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *mes
 {
     (void)message;
     epx__cuda_buffer_t *cuda = buffer->impl;
-    if (cuda == NULL)
+    /* The abort word lives in the peers' normal-mode memory (CUDA IPC). A buffer across
+     * nodes has none: its low-latency kernels time out on a silent peer and mask it. */
+    if (cuda == NULL || cuda->ipc == NULL)
         return;
     int me = buffer->group->rank;
     int culprit = epx__cuda_failure_culprit(buffer);
@@ -325,6 +387,9 @@ static epx_status_t cuda_layout(epx_buffer_t buffer, const epx_layout_args_t *ar
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     cudaStream_t st = (cudaStream_t)stream;
+    /* Local, but it reports bad expert ids through the normal-mode error record, and
+     * only normal mode's dispatch uses its counts. */
+    EPX_CHECK(epx__cuda_require_normal(buffer, "get_dispatch_layout"));
     EPX_CHECK(epx__cuda_poll(buffer));
     epx__cuda_layout_args_t a;
     memset(&a, 0, sizeof(a));
@@ -375,4 +440,6 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_combine_buffer = epx__cuda_ll_combine_buffer,
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
+    .normal_available = epx__cuda_require_normal,
+    .ll_row_align = 16,
 };

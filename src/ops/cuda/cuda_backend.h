@@ -2,6 +2,11 @@
  * Host side of the CUDA backend (normal mode over CUDA IPC): the buffer's state, the
  * handles' device state, and the helpers the operation files share.
  *
+ * A buffer whose group spans several nodes has no normal-mode part: CUDA IPC reaches
+ * only the GPUs of one node, while the low-latency part (ll.h, NVSHMEM) reaches peers
+ * without a mapping. Such a buffer offers the epx_ll_* calls only; its normal-mode
+ * entry points return EPX_ERR_UNSUPPORTED (epx__cuda_require_normal).
+ *
  * Files: backend.c (the vtable, buffers, layout, abort), dispatch.c, combine.c,
  * errors.c (device error record -> status, host waits), pool.c (device memory of
  * handles). Kernels: layout.cu, dispatch.cu, combine.cu, copy.cu via launch.h.
@@ -47,6 +52,8 @@ typedef struct {
 /* ---------------------------------------------------------------- buffers */
 
 typedef struct {
+    /* Normal mode. All NULL (and shape zeroed) when the group spans several nodes:
+     * ipc, local, mapped, abort_stream, abort_word, pool. */
     epx__cuda_ipc_t *ipc;
     epx__cuda_shape_t shape;      /* what kernels see (device addresses) */
     epx__cuda_local_t *local;     /* device */
@@ -66,6 +73,26 @@ typedef struct {
     char error_message[400];
     struct epx__cuda_ll *ll; /* low-latency mode (ll.h), NULL when off */
 } epx__cuda_buffer_t;
+
+/* Nodes the group spans: world_size / ranks_per_node (group.c checks it divides). */
+int epx__cuda_num_nodes(epx_group_t group);
+
+/*
+ * Which parts a buffer of this config gets on this group: *with_normal = 1 when its
+ * ranks are on one node (normal mode over CUDA IPC, plus low-latency mode when the
+ * config asks for it); 0 across nodes when the config asks for low-latency mode (that
+ * part only). Across nodes without low-latency tokens: EPX_ERR_UNSUPPORTED. Pure (no
+ * CUDA call, no peer), so every rank of the group decides alike.
+ */
+epx_status_t epx__cuda_choose_parts(epx_group_t group, const epx_buffer_config_t *config,
+                                    int *with_normal);
+
+/*
+ * EPX_SUCCESS when the buffer has its normal-mode part; otherwise EPX_ERR_UNSUPPORTED
+ * naming `op` and the nodes the buffer spans. Every normal-mode entry point calls it
+ * first, before it touches any normal-mode state.
+ */
+epx_status_t epx__cuda_require_normal(epx_buffer_t buffer, const char *op);
 
 /* Byte layout of every rank's shared allocation for this config (fills `shape`). */
 epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,

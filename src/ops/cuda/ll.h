@@ -26,6 +26,7 @@ typedef struct epx__cuda_ll {
     char *local;           /* cudaMalloc: both slots' results, state, peer table */
     epx_ll_fail_t *fail;   /* host address of the mapped failure record */
     epx__cuda_ll_slot_t slots[2];
+    int counted;           /* in the process's count of live low-latency buffers */
 } epx__cuda_ll_t;
 
 /*

@@ -9,24 +9,33 @@
  * keep their whole-program optimisation.
  *
  * Memory of one rank (M = max_low_latency_tokens, R ranks, L local experts, k top-k,
- * S = hidden / 128 scale columns, cells = L * R * M):
+ * S = hidden / 128 scale columns, cells = L * R * M; a row is hidden bytes when the config
+ * says low_latency_dtype = fp8, else 2 * hidden):
  *   symmetric heap (nvshmem_malloc; peers write it, same offsets on every rank)
  *     flags      uint64 [4 kinds][2 slots][R], sequence numbers (never cleared)
- *     per slot:  stage_count int32 [L][R]; stage_x [cells][x_row_bytes];
- *                stage_scales fp32 [cells][S]; stage_token, stage_topk int32 [cells];
- *                combine_stage bf16 [M][k][hidden] (combine by puts only);
- *                combine_in bf16 [L][M*R][hidden] (the zero-copy combine input: peers
- *                read it in place); recv_range int64 [L][R] (peers read it to find
- *                their rows in combine_in); send_x [M][x_row_bytes] + send_scales [M][S]
- *                (rows staged for puts).
+ *     per slot:  sent_count int32 [L][R] (rows each source sent each local expert);
+ *                recv_x [cells][row], recv_scales [cells][S] fp32 (or [cells][hidden/512]
+ *                packed UE8M0 words), recv_src_info and recv_topk int32 [cells]: source s
+ *                writes its i-th row for expert e into cell (e * R + s) * M + i, and the
+ *                receive packs the cells in place into rows e * R * M + j (the dispatch
+ *                results, so no second copy of the rows exists); recv_range int64 [L][R]
+ *                (peers read it to find their rows in combine_in); combine_in bf16
+ *                [L][M*R][hidden] (the zero-copy combine input: peers read it in place);
+ *                when NVSHMEM puts may be needed (groups across nodes, or forced):
+ *                combine_stage bf16 [M][k][hidden], send_x [M][row] + send_scales
+ *                [M][S] (rows staged for puts).
  *   device memory (cudaMalloc; this rank only)
- *     per slot:  recv_x [L][M*R][x_row_bytes / or hidden]; recv_scales; recv_count [L];
- *                recv_src_info, recv_src_rank, recv_topk int32 [L][M*R]; send_pos int32
- *                [M][k] (row i of each (token, expert) sent, at the receiver's staging)
+ *     per slot:  recv_count [L]; recv_src_rank int32 [L][M*R]; send_pos int32 [M][k] (row
+ *                i of each (token, expert) sent, in its source's cells at the receiver)
  *     state:     seq uint64 [2 slots][2] (dispatch, combine; advanced by the send
- *                kernels so CUDA graph replays keep counting), arrive uint32 [2][4]
- *                (last-block counters), mask int32 [R].
+ *                kernels so CUDA graph replays keep counting), released uint64 [2] (the
+ *                last dispatch of the slot whose results this rank gave back), arrive
+ *                uint32 [2][4] (last-block counters), mask int32 [R].
  *   host-mapped: the failure record.
+ *
+ * Because peers write a slot's dispatch results directly, a rank gives a slot back
+ * ("released", DISPATCH_DONE flags) only once it is done with them: when it sends the
+ * step's combine, or else when it dispatches into that slot again.
  */
 #ifndef EPX_OPS_CUDA_LL_PLUGIN_H
 #define EPX_OPS_CUDA_LL_PLUGIN_H
@@ -38,7 +47,7 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 1
+#define EPX_LL_PLUGIN_ABI 2
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 #define EPX_LL_PLUGIN_FILE "libepx_nvshmem.so"
 
@@ -66,21 +75,23 @@ typedef struct {
     int rank, world, num_local, num_experts, topk;
     int blocks;       /* the SM budget: grid size of every kernel */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
+    int may_put;      /* the plan reserved memory for puts (groups across nodes, or forced) */
     int64_t hidden, max_tokens, rows, scale_cols; /* rows = M * R */
     int64_t timeout_ns;
-    size_t x_row_bytes; /* staging cell: hidden * 2 */
+    size_t x_row_bytes; /* a cell of recv_x as sized: hidden * 2, or hidden (fp8 only) */
     /* symmetric heap */
     char *sym;          /* this rank's base */
     char *const *peer;  /* device array [R]: peer r's base for direct stores, or NULL */
     size_t flags;
     size_t slot[2];
-    size_t stage_count, stage_x, stage_scales, stage_token, stage_topk;
-    size_t combine_stage, combine_in, send_x, send_scales, recv_range;
+    size_t sent_count, recv_x, recv_scales, recv_src_info, recv_topk, recv_range, combine_in;
+    size_t combine_stage, send_x, send_scales; /* empty unless puts may be needed */
     /* device memory */
     char *local[2];
-    size_t recv_x, recv_scales, recv_count, recv_src_info, recv_src_rank, recv_topk, send_pos;
+    size_t recv_count, recv_src_rank, send_pos;
     size_t local_slot_bytes;
     uint64_t *seq;      /* [2 slots][2] */
+    uint64_t *released; /* [2 slots] */
     uint32_t *arrive;   /* [2 slots][4] */
     int32_t *mask;      /* [R] */
     epx_ll_fail_t *fail; /* device address of the host-mapped record */
@@ -122,6 +133,8 @@ typedef struct {
     int (*dispatch_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     int (*combine_send)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     int (*combine_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
+    /* Collective on every PE; NVSHMEM cannot be set up again in this process. */
+    void (*finalize)(void);
 } epx_ll_plugin_t;
 
 typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);

@@ -5,8 +5,11 @@
  *
  * NVSHMEM is process-wide: the first low-latency buffer initialises it with this
  * rank's place in its group, and later buffers must come from a group with the same
- * rank and size (the same processes). It is never finalised: nvshmem_finalize is
- * collective and would hang at exit if a peer died; the OS reclaims everything.
+ * rank and size (the same processes). Destroying that group finalises it, once every
+ * rank's low-latency buffers are gone and no rank saw a failed peer (the group votes
+ * first, with its timeout, so a dead rank cannot hang nvshmem_finalize); otherwise it
+ * stays until the process exits and the OS reclaims it. NVSHMEM cannot be set up twice
+ * in a process, so low-latency CUDA buffers end with that group.
  */
 #include <dlfcn.h>
 #include <limits.h>
@@ -28,7 +31,10 @@ static pthread_mutex_t nv_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct {
     const epx_ll_plugin_t *plugin;
     char path[PATH_MAX];
-    int initialized, rank, world;
+    int initialized, finalized, rank, world;
+    epx_group_t owner; /* the group that set NVSHMEM up */
+    int live_buffers;  /* low-latency buffers not destroyed */
+    int saw_failure;   /* a buffer was destroyed with a failed or masked peer */
 } nv;
 
 static size_t align_up(size_t value)
@@ -45,18 +51,19 @@ static size_t take(size_t *offset, size_t bytes)
 }
 
 /*
- * The device state after the two result slots (offsets from its start): seq [2][2]
- * uint64, arrive [2][4] uint32, mask [R + 1] int32 (the last word claims the failure
- * record), the peer table [R] pointers.
+ * The device state after the two result slots (offsets from its start): seq [2][2] and
+ * released [2] uint64, arrive [2][4] uint32, mask [R + 1] int32 (the last word claims the
+ * failure record), the peer table [R] pointers.
  */
 typedef struct {
-    size_t arrive, mask, peers, bytes;
+    size_t released, arrive, mask, peers, bytes;
 } state_layout_t;
 
 static state_layout_t state_layout(int world)
 {
     state_layout_t l;
-    l.arrive = 4 * sizeof(uint64_t);
+    l.released = 4 * sizeof(uint64_t);
+    l.arrive = l.released + 2 * sizeof(uint64_t);
     l.mask = l.arrive + 8 * sizeof(uint32_t);
     l.peers = l.mask + (((size_t)world + 1) * sizeof(int32_t) + 7) / 8 * 8;
     l.bytes = l.peers + (size_t)world * sizeof(char *);
@@ -98,34 +105,33 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->rows = m * R;
     s->scale_cols = config->hidden % 128 == 0 ? config->hidden / 128 : 0;
     s->timeout_ns = group->timeout_ms * 1000000;
-    s->x_row_bytes = (size_t)config->hidden * 2;
+    s->x_row_bytes = (size_t)config->hidden * (config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 ? 1 : 2);
+    /* Puts (and their staging memory) only where some peer may lack a direct pointer. */
+    s->may_put = group->ranks_per_node < R || epx__param_int(EPX_PARAM_LL_FORCE_PUTS) != 0;
 
     size_t L = (size_t)s->num_local, rows = (size_t)s->rows, S = (size_t)s->scale_cols;
     size_t cells = L * (size_t)R * (size_t)m, k = (size_t)s->topk, H = (size_t)s->hidden;
+    size_t puts = s->may_put ? 1 : 0;
     /* Symmetric: flags, then two slots with the same inner offsets. */
     size_t sym = 0;
     s->flags = take(&sym, 4 * 2 * (size_t)R * sizeof(uint64_t));
     size_t in_slot = 0;
-    s->stage_count = take(&in_slot, L * (size_t)R * sizeof(int32_t));
-    s->stage_x = take(&in_slot, cells * s->x_row_bytes);
-    s->stage_scales = take(&in_slot, cells * S * sizeof(float));
-    s->stage_token = take(&in_slot, cells * sizeof(int32_t));
-    s->stage_topk = take(&in_slot, cells * sizeof(int32_t));
-    s->combine_stage = take(&in_slot, (size_t)m * k * H * 2);
-    s->combine_in = take(&in_slot, L * rows * H * 2);
-    s->send_x = take(&in_slot, (size_t)m * s->x_row_bytes);
-    s->send_scales = take(&in_slot, (size_t)m * S * sizeof(float));
+    s->sent_count = take(&in_slot, L * (size_t)R * sizeof(int32_t));
+    s->recv_x = take(&in_slot, cells * s->x_row_bytes);
+    s->recv_scales = take(&in_slot, cells * S * sizeof(float));
+    s->recv_src_info = take(&in_slot, cells * sizeof(int32_t));
+    s->recv_topk = take(&in_slot, cells * sizeof(int32_t));
     s->recv_range = take(&in_slot, L * (size_t)R * sizeof(int64_t));
+    s->combine_in = take(&in_slot, L * rows * H * 2);
+    s->combine_stage = take(&in_slot, puts * (size_t)m * k * H * 2);
+    s->send_x = take(&in_slot, puts * (size_t)m * s->x_row_bytes);
+    s->send_scales = take(&in_slot, puts * (size_t)m * S * sizeof(float));
     s->slot[0] = take(&sym, in_slot);
     s->slot[1] = take(&sym, in_slot);
-    /* Local: two slots of results, then the state. */
+    /* Local: two slots of bookkeeping, then the state. */
     size_t local_slot = 0;
-    s->recv_x = take(&local_slot, L * rows * H * 2);
-    s->recv_scales = take(&local_slot, L * rows * S * sizeof(float));
     s->recv_count = take(&local_slot, L * sizeof(int32_t));
-    s->recv_src_info = take(&local_slot, L * rows * sizeof(int32_t));
     s->recv_src_rank = take(&local_slot, L * rows * sizeof(int32_t));
-    s->recv_topk = take(&local_slot, L * rows * sizeof(int32_t));
     s->send_pos = take(&local_slot, (size_t)m * k * sizeof(int32_t));
     s->local_slot_bytes = local_slot;
     *sym_bytes = sym;
@@ -259,6 +265,11 @@ static epx_status_t nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_statu
     pthread_mutex_lock(&nv_lock);
     if (status == EPX_SUCCESS)
         status = load_plugin();
+    if (status == EPX_SUCCESS && nv.finalized)
+        status = EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                           "buffer_create: NVSHMEM was finalised when the group that set it up "
+                           "was destroyed, and it cannot be set up twice in a process: keep "
+                           "that group while low-latency CUDA buffers are needed");
     if (status == EPX_SUCCESS && nv.initialized && (nv.rank != rank || nv.world != world))
         status = EPX_ERROR(EPX_ERR_UNSUPPORTED,
                            "buffer_create: NVSHMEM was set up in this process as rank %d of %d; "
@@ -285,6 +296,7 @@ static epx_status_t nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_statu
             status = EPX_ERROR(EPX_ERR_NVSHMEM, "buffer_create: %s", message);
         } else {
             nv.initialized = 1;
+            nv.owner = group;
             nv.rank = rank;
             nv.world = world;
             int major, minor, patch;
@@ -322,6 +334,7 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     char *state = ll->local + 2 * per_slot;
     state_layout_t layout = state_layout(R);
     s->seq = (uint64_t *)state;
+    s->released = (uint64_t *)(state + layout.released);
     s->arrive = (uint32_t *)(state + layout.arrive);
     s->mask = (int32_t *)(state + layout.mask);
     char **peer_table = (char **)(state + layout.peers);
@@ -333,15 +346,26 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     char **peers = calloc((size_t)R, sizeof(char *));
     if (peers == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
-    int direct = 0;
+    int direct = 0, unreachable = -1;
     for (int r = 0; r < R; r++) {
         peers[r] = ll->plugin->peer_ptr(ll->sym, r);
         if (force_puts && r != s->rank)
             peers[r] = NULL;
-        if (peers[r] == NULL)
+        if (peers[r] == NULL) {
             s->use_puts = 1;
-        else
+            unreachable = r;
+        } else {
             direct++;
+        }
+    }
+    if (s->use_puts && !s->may_put) {
+        free(peers);
+        /* The group says one node, but NVSHMEM cannot map this peer (no P2P path). */
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer_create: low-latency mode: NVSHMEM gives no direct pointer to "
+                         "rank %d although the group puts all ranks on one node; set "
+                         "EPX_LL_FORCE_PUTS=1 (NVSHMEM puts to every peer) or EPX_RANKS_PER_NODE",
+                         unreachable);
     }
     cudaError_t err = cudaMemcpy(peer_table, peers, (size_t)R * sizeof(char *), cudaMemcpyHostToDevice);
     free(peers);
@@ -389,6 +413,10 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
         epx__cuda_ll_destroy(ll, 0);
         return status;
     }
+    pthread_mutex_lock(&nv_lock);
+    nv.live_buffers++;
+    pthread_mutex_unlock(&nv_lock);
+    ll->counted = 1;
     *out = ll;
     return EPX_SUCCESS;
 }
@@ -397,6 +425,12 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy)
 {
     if (ll == NULL)
         return;
+    if (ll->counted) {
+        pthread_mutex_lock(&nv_lock);
+        nv.live_buffers--;
+        nv.saw_failure = nv.saw_failure || !healthy;
+        pthread_mutex_unlock(&nv_lock);
+    }
     if (ll->sym != NULL && healthy)
         ll->plugin->free_sym(ll->sym);
     if (ll->local != NULL)
@@ -405,4 +439,36 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy)
         (void)cudaFreeHost(ll->fail);
     (void)cudaGetLastError();
     free(ll);
+}
+
+void epx__cuda_ll_group_destroy(epx_group_t group)
+{
+    pthread_mutex_lock(&nv_lock);
+    if (!nv.initialized || nv.finalized || nv.owner != group) {
+        pthread_mutex_unlock(&nv_lock);
+        return;
+    }
+    /* Everyone must be ready, or nobody calls the collective finalize. */
+    int32_t mine = nv.live_buffers == 0 && !nv.saw_failure;
+    int world = group->world_size, ready = mine;
+    int32_t *all = calloc((size_t)world, sizeof(int32_t));
+    if (all == NULL ||
+        epx__bootstrap_allgather(group->bootstrap, &mine, all, sizeof(mine)) != EPX_SUCCESS)
+        ready = 0;
+    for (int r = 0; ready && r < world; r++)
+        ready = all[r] != 0;
+    free(all);
+    if (ready) {
+        nv.plugin->finalize();
+        nv.finalized = 1;
+        EPX_INFO(EPX_SUBSYS_TRANSPORT, "NVSHMEM finalised (its group was destroyed)");
+    } else {
+        EPX_WARN(EPX_SUBSYS_TRANSPORT,
+                 "NVSHMEM stays set up until the process exits: %s",
+                 mine ? "another rank still has low-latency buffers or saw a failed peer"
+                      : (nv.live_buffers > 0 ? "low-latency buffers of this process are not destroyed"
+                                             : "a peer failed while a buffer was in use"));
+    }
+    nv.owner = NULL;
+    pthread_mutex_unlock(&nv_lock);
 }

@@ -7,7 +7,8 @@
  *           dispatch release (raised by the receiver in the sender's segment when it has
  *           read the slot), and the same two for combine. Values are per-slot sequence
  *           numbers, so nothing is ever cleared.
- *   slot b  staging that peers write into, [L][R][M] per (expert, source): x rows,
+ *   slot b  staging that peers write into, [L][R][M] per (expert, source): x rows
+ *           (bf16-sized, or fp8-sized when config.low_latency_dtype is FP8_E4M3),
  *           scales, source token, top-k position, and counts [L][R]; the packed results
  *           (recv_x [L][M*R], scales, counts, src_info, layout ranges, and the internal
  *           source rank / top-k position of each row); the zero-copy combine input
@@ -38,7 +39,8 @@ typedef struct {
     int64_t max_tokens; /* M */
     int64_t rows;       /* M * R */
     int64_t scale_cols; /* hidden / 128, or 0 */
-    size_t x_row_bytes; /* hidden * 2: room for a bf16 row (an fp8 row takes half) */
+    size_t x_row_bytes; /* a staged or received dispatch row: hidden * 2 (bf16), or hidden
+                         * when config.low_latency_dtype is FP8_E4M3 */
     size_t flags;
     size_t slot[2];
     /* Offsets inside a slot. */

@@ -30,10 +30,13 @@ epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *conf
     l.max_tokens = m;
     l.rows = m * world_size;
     l.scale_cols = hidden % 128 == 0 ? hidden / 128 : 0;
-    l.x_row_bytes = (size_t)hidden * 2;
+    /* Dispatch rows: room for bf16 unless the buffer was made for fp8 dispatch only. */
+    int fp8_only = config->low_latency_dtype == EPX_DTYPE_FP8_E4M3;
+    l.x_row_bytes = (size_t)hidden * (fp8_only ? 1 : 2);
     int64_t staged = num_local * l.rows; /* [L][R][M] == [L][M*R] cells */
-    int64_t x_cells, scale_cells, combine_cells;
+    int64_t x_cells, bf16_cells, scale_cells, combine_cells;
     int failed = __builtin_mul_overflow(staged, (int64_t)l.x_row_bytes, &x_cells) ||
+                 __builtin_mul_overflow(staged, hidden * 2, &bf16_cells) ||
                  __builtin_mul_overflow(staged, l.scale_cols, &scale_cells) ||
                  __builtin_mul_overflow(m * k, hidden * 2, &combine_cells);
     size_t cursor = 0, slot_cursor = 0, unused;
@@ -51,7 +54,7 @@ epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *conf
              epx__ll_place(&slot_cursor, &l.recv_range, num_local * world_size, 8) ||
              epx__ll_place(&slot_cursor, &l.recv_src_rank, staged, 4) ||
              epx__ll_place(&slot_cursor, &l.recv_topk, staged, 4) ||
-             epx__ll_place(&slot_cursor, &l.combine_in, x_cells, 1) ||
+             epx__ll_place(&slot_cursor, &l.combine_in, bf16_cells, 1) ||
              epx__ll_place(&slot_cursor, &l.combine_stage, combine_cells, 1) ||
              epx__ll_place(&cursor, &l.slot[0], (int64_t)slot_cursor, 1) ||
              epx__ll_place(&cursor, &l.slot[1], (int64_t)slot_cursor, 1) ||

@@ -16,6 +16,7 @@
  * wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32 with
  * __fmul_rn / __fadd_rn in j order (no fused multiply-add, like the host), entries on
  * masked ranks skipped; the last block releases the slot to the expert ranks.
+ * The send's last block also gives the step's dispatch results back (ll_device.cuh).
  */
 #include <cuda_bf16.h>
 
@@ -71,8 +72,8 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                                      row_bytes, lane);
                 continue;
             }
-            const int64_t token = reinterpret_cast<const int32_t *>(in + s.recv_src_info)[row];
-            const int64_t j = reinterpret_cast<const int32_t *>(in + s.recv_topk)[row];
+            const int64_t token = reinterpret_cast<const int32_t *>(own + s.recv_src_info)[row];
+            const int64_t j = reinterpret_cast<const int32_t *>(own + s.recv_topk)[row];
             const size_t dst = slot_base + s.combine_stage + (size_t)(token * k + j) * row_bytes;
             char *home = s.peer[home_rank];
             if (home != NULL) {
@@ -94,6 +95,9 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         if (ok[r])
             epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
+    /* The step's dispatch results are no longer needed here: the sources may reuse the
+     * slot (they also wait for this combine before their next dispatch into it). */
+    epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
     if (threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
 }

@@ -150,6 +150,23 @@ __device__ __forceinline__ uint64_t epx_ll_seq(const epx_ll_shape_t &s, int slot
     return epx_ld_volatile_u64(s.seq + slot * 2 + which);
 }
 
+/*
+ * This rank is done with the results of dispatch `value` of `slot` (they lie in the
+ * slot's cells, which the sources write): tell every unmasked peer, once. Every thread
+ * of one block calls it.
+ */
+__device__ __forceinline__ void epx_ll_give_back(const epx_ll_shape_t &s, int slot, uint64_t value)
+{
+    if (value == 0 || epx_ld_volatile_u64(s.released + slot) >= value)
+        return;
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x)
+        if (!*reinterpret_cast<volatile int32_t *>(s.mask + r))
+            epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, value);
+    __syncthreads();
+    if (threadIdx.x == 0)
+        s.released[slot] = value;
+}
+
 /* Does expert e appear in idx[0..j-1]? (a token sends one row per distinct expert) */
 __device__ __forceinline__ int epx_ll_seen_before(const int64_t *idx, int j, int64_t e)
 {

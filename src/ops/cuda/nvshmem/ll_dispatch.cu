@@ -3,17 +3,22 @@
  * src/ops/ref/host_ll_dispatch.c is the oracle they match).
  *
  * Send (grid = SM budget, each block a contiguous range of tokens):
- *   1. wait until every unmasked receiver released this slot's previous dispatch;
- *   2. place each (token, distinct expert) at row i of the receiver's staging
- *      [local expert][this rank][i], i counting up in token order: a histogram of the
+ *   1. give back this slot's previous results if the step had no combine (which would
+ *      have), then wait until every unmasked receiver gave it back;
+ *   2. place each (token, distinct expert) at cell i of the receiver's cells for
+ *      [local expert][this rank], i counting up in token order: a histogram of the
  *      tokens before the block's range, then one warp walks the block's tokens in order;
  *   3. warps move (token, channel chunk) items: cast to fp8 once (per-128 scales, the
- *      same bits as host_ll_fp8.c) and store 16 bytes to every destination, or stage the
- *      row for NVSHMEM puts when a peer has no direct pointer;
+ *      same bits as host_ll_fp8.c, stored as the caller asked: fp32 or packed UE8M0) and
+ *      store 16 bytes to every destination, or stage the row for NVSHMEM puts when a
+ *      peer has no direct pointer;
  *   4. the last block writes the per-expert counts and raises the arrival flags.
  * Receive: wait for the sources' flags; every block computes where each source's rows
- * start (source s after sources < s) and the warps of the grid share all rows evenly,
- * copying them with their scales and source info; then release the slot.
+ *   start (source s after sources < s) and packs the cells in place: rows move down to
+ *   their packed place. While an expert has at most M rows no cell that still has to be
+ *   read is ever a packed place (those lie below M, where only source 0's cells are, and
+ *   they stay), so the warps of the grid share those rows freely; an expert with more
+ *   rows is packed by one block in order of destination, a batch at a time.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -64,11 +69,14 @@ __device__ __forceinline__ int4 epx_ll_cast16(const int4 lo, const int4 hi, int 
         multiplier = __fdiv_rn(448.0f, amax);
     }
     *scale_out = scale;
+    /* Two channels per conversion (the first in the low byte): the same bits as one at
+     * a time, half the instructions. */
     int4 out;
-    unsigned char *bytes = reinterpret_cast<unsigned char *>(&out);
-    for (int i = 0; i < 16; i++)
-        bytes[i] = (unsigned char)__nv_cvt_float_to_fp8(__fmul_rn(f[i], multiplier),
-                                                        __NV_SATFINITE, __NV_E4M3);
+    unsigned short *pairs = reinterpret_cast<unsigned short *>(&out);
+    for (int i = 0; i < 16; i += 2)
+        pairs[i / 2] = __nv_cvt_float2_to_fp8x2(
+            make_float2(__fmul_rn(f[i], multiplier), __fmul_rn(f[i + 1], multiplier)),
+            __NV_SATFINITE, __NV_E4M3);
     return out;
 }
 
@@ -114,10 +122,15 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     __shared__ int last;
     const int slot = op.slot, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const uint64_t seq = epx_ll_seq(s, slot, 0) + 1;
-    const int fp8 = op.use_fp8;
+    const int fp8 = op.use_fp8, ue8m0 = op.use_ue8m0;
     const size_t slot_base = s.slot[slot];
     const int64_t S = s.scale_cols;
+    /* A cell's row and scale row as this call stores them. */
+    const size_t row_bytes = fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
+    const int64_t scale_words = ue8m0 ? s.hidden / 512 : S;
 
+    if (blockIdx.x == 0)
+        epx_ll_give_back(s, slot, seq - 1);
     epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH_DONE, slot, seq - 1, EPX_LL_STAGE_DISPATCH_RELEASE,
                       ok);
 
@@ -133,7 +146,6 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const int lane_channels = fp8 ? 16 : 8;
     const int64_t item_channels = 32 * lane_channels;
     const int64_t chunks = (s.hidden + item_channels - 1) / item_channels;
-    const size_t row_bytes = fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
     char *own = s.sym + slot_base;
 
     for (int64_t c0 = t0; c0 < t1; c0 += C) {
@@ -173,11 +185,11 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                 continue;
             const int64_t cell = ((int64_t)(e % L) * R + me) * s.max_tokens + chunk_row[i];
             char *dst = base + slot_base;
-            dst_row[i] = dst + s.stage_x + (size_t)cell * s.x_row_bytes;
+            dst_row[i] = dst + s.recv_x + (size_t)cell * row_bytes;
             if (fp8)
-                dst_scales[i] = reinterpret_cast<float *>(dst + s.stage_scales) + cell * S;
-            reinterpret_cast<int32_t *>(dst + s.stage_token)[cell] = (int32_t)(c0 + i / k);
-            reinterpret_cast<int32_t *>(dst + s.stage_topk)[cell] = i % k;
+                dst_scales[i] = reinterpret_cast<float *>(dst + s.recv_scales) + cell * scale_words;
+            reinterpret_cast<int32_t *>(dst + s.recv_src_info)[cell] = (int32_t)(c0 + i / k);
+            reinterpret_cast<int32_t *>(dst + s.recv_topk)[cell] = i % k;
         }
         __syncthreads();
 
@@ -201,16 +213,25 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             const int4 data = fp8 ? epx_ll_cast16(lo, hi, op.round_scale, &scale) : lo;
             lo = next_lo;
             hi = next_hi;
+            /* UE8M0: the item's four groups (lanes 0, 8, 16, 24) make one packed word,
+             * group g in byte g % 4, stored by lane 0 as scale "column" item % chunks. */
+            if (ue8m0) {
+                const uint32_t exponent = (__float_as_uint(scale) >> 23) & 0xffu;
+                uint32_t word = 0;
+                for (int b = 0; b < 4; b++)
+                    word |= __shfl_sync(0xffffffffu, exponent, 8 * b) << (8 * b);
+                scale = __uint_as_float(word);
+            }
             if (channel >= s.hidden)
                 continue;
             const size_t byte = (size_t)channel * (fp8 ? 1 : 2);
-            const int scale_writer = fp8 && (lane & 7) == 0;
-            const int64_t group = channel / 128;
+            const int scale_writer = fp8 && (ue8m0 ? lane == 0 : (lane & 7) == 0);
+            const int64_t group = ue8m0 ? item % chunks : channel / 128;
             if (s.use_puts) {
                 /* Staged for the puts below (and for every peer without a pointer). */
-                epx_st_v4(own + s.send_x + (size_t)t * s.x_row_bytes + byte, data);
+                epx_st_v4(own + s.send_x + (size_t)t * row_bytes + byte, data);
                 if (scale_writer)
-                    reinterpret_cast<float *>(own + s.send_scales)[t * S + group] = scale;
+                    reinterpret_cast<float *>(own + s.send_scales)[t * scale_words + group] = scale;
             }
             char *const *rows = dst_row + tt * k;
             float *const *scales = dst_scales + tt * k;
@@ -236,16 +257,16 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                     continue;
                 const int64_t t = c0 + i / k;
                 const int64_t cell = ((int64_t)(e % L) * R + me) * s.max_tokens + chunk_row[i];
-                nvshmemx_putmem_nbi_warp(own + s.stage_x + (size_t)cell * s.x_row_bytes,
-                                         own + s.send_x + (size_t)t * s.x_row_bytes, row_bytes, r);
+                nvshmemx_putmem_nbi_warp(own + s.recv_x + (size_t)cell * row_bytes,
+                                         own + s.send_x + (size_t)t * row_bytes, row_bytes, r);
                 if (fp8)
                     nvshmemx_putmem_nbi_warp(
-                        own + s.stage_scales + (size_t)(cell * S) * sizeof(float),
-                        own + s.send_scales + (size_t)(t * S) * sizeof(float),
-                        (size_t)S * sizeof(float), r);
+                        own + s.recv_scales + (size_t)(cell * scale_words) * sizeof(float),
+                        own + s.send_scales + (size_t)(t * scale_words) * sizeof(float),
+                        (size_t)scale_words * sizeof(float), r);
                 if (lane == 0) {
-                    nvshmem_int_p(reinterpret_cast<int *>(own + s.stage_token) + cell, (int)t, r);
-                    nvshmem_int_p(reinterpret_cast<int *>(own + s.stage_topk) + cell, i % k, r);
+                    nvshmem_int_p(reinterpret_cast<int *>(own + s.recv_src_info) + cell, (int)t, r);
+                    nvshmem_int_p(reinterpret_cast<int *>(own + s.recv_topk) + cell, i % k, r);
                 }
             }
         }
@@ -263,7 +284,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x) {
         const int r = i / L;
         if (ok[r])
-            epx_ll_put_int(s, r, slot_base + s.stage_count + ((size_t)(i % L) * R + me) * 4, hist[i]);
+            epx_ll_put_int(s, r, slot_base + s.sent_count + ((size_t)(i % L) * R + me) * 4, hist[i]);
     }
     if (s.use_puts)
         nvshmem_quiet();
@@ -276,6 +297,118 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         s.seq[slot * 2] = seq;
 }
 
+/* Where the cells and the packed rows of one receive lie, and their sizes this call. */
+struct epx_ll_pack_t {
+    char *x, *scales;
+    int32_t *src_info, *topk, *src_rank;
+    size_t row_bytes;
+    int64_t scale_words; /* int32 words a row's scales take: fp32 S, UE8M0 hidden / 512 */
+};
+
+/* Warp copy of cell `cell` to row `row` (different places) and the row's source. */
+__device__ __forceinline__ void epx_ll_pack_row(const epx_ll_pack_t &p, int64_t cell, int64_t row,
+                                                int src, int lane)
+{
+    if (cell != row) {
+        epx_ll_warp_copy(p.x + (size_t)row * p.row_bytes, p.x + (size_t)cell * p.row_bytes,
+                         p.row_bytes, lane);
+        const int32_t *from = reinterpret_cast<const int32_t *>(p.scales) + cell * p.scale_words;
+        int32_t *to = reinterpret_cast<int32_t *>(p.scales) + row * p.scale_words;
+        for (int64_t w = lane; w < p.scale_words; w += 32)
+            to[w] = __ldcg(from + w);
+        if (lane == 0) {
+            p.src_info[row] = __ldcg(p.src_info + cell);
+            p.topk[row] = __ldcg(p.topk + cell);
+        }
+    }
+    if (lane == 0)
+        p.src_rank[row] = src;
+}
+
+/* Vectors (16 bytes) each thread holds while a block packs a crowded expert. */
+#define EPX_LL_PACK_DEPTH 4
+
+/*
+ * Pack expert e's `total` rows when they may overlap cells not yet read (more than M
+ * rows): the whole block moves rows in order of destination, a batch at a time, each
+ * batch read completely before it is written. A row never moves up (its cell index is
+ * at least its row index), so a batch's writes land below every later batch's cells.
+ */
+__device__ void epx_ll_pack_crowded(const epx_ll_pack_t &p, const epx_ll_shape_t &s, int e,
+                                    const int32_t *first, int32_t total)
+{
+    const int R = s.world;
+    const int64_t vectors = (int64_t)(p.row_bytes / 16);
+    const int64_t budget = (int64_t)EPX_LL_PACK_DEPTH * EPX_LL_THREADS;
+    /* Rows per batch: what the registers hold (at least 1: a row alone may be copied in
+     * place, its cell and its row never overlap), at most a word of scales per thread. */
+    int64_t batch = vectors <= budget ? budget / vectors : 1;
+    if (p.scale_words > 0 && batch * p.scale_words > EPX_LL_THREADS)
+        batch = max((int64_t)1, EPX_LL_THREADS / p.scale_words);
+    batch = min(batch, (int64_t)EPX_LL_THREADS);
+    const int64_t base = (int64_t)e * s.rows;
+    for (int64_t d0 = 0; d0 < total; d0 += batch) {
+        const int64_t n = min(batch, (int64_t)total - d0);
+        if (n * vectors > budget) {
+            /* One row bigger than the registers: copy it directly (n == 1). */
+            const int src = epx_ll_find(first, R, (int32_t)d0);
+            const int64_t cell = base + (int64_t)src * s.max_tokens + (d0 - first[src]);
+            if ((threadIdx.x >> 5) == 0)
+                epx_ll_pack_row(p, cell, base + d0, src, threadIdx.x & 31);
+            __syncthreads();
+            continue;
+        }
+        int4 v[EPX_LL_PACK_DEPTH];
+        int32_t word = 0, info = 0, topk = 0;
+        /* Read the batch. */
+#pragma unroll
+        for (int u = 0; u < EPX_LL_PACK_DEPTH; u++) {
+            const int64_t i = (int64_t)u * EPX_LL_THREADS + threadIdx.x;
+            if (i < n * vectors) {
+                const int64_t d = d0 + i / vectors;
+                const int src = epx_ll_find(first, R, (int32_t)d);
+                const int64_t cell = base + (int64_t)src * s.max_tokens + (d - first[src]);
+                v[u] = *reinterpret_cast<const int4 *>(p.x + (size_t)cell * p.row_bytes +
+                                                       (size_t)(i % vectors) * 16);
+            }
+        }
+        const int64_t d_word = p.scale_words > 0 ? d0 + threadIdx.x / p.scale_words : -1;
+        const int has_word = p.scale_words > 0 && threadIdx.x < n * p.scale_words;
+        if (has_word) {
+            const int src = epx_ll_find(first, R, (int32_t)d_word);
+            const int64_t cell = base + (int64_t)src * s.max_tokens + (d_word - first[src]);
+            word = reinterpret_cast<const int32_t *>(p.scales)[cell * p.scale_words +
+                                                               threadIdx.x % p.scale_words];
+        }
+        const int src_here = threadIdx.x < n ? epx_ll_find(first, R, (int32_t)(d0 + threadIdx.x)) : 0;
+        if (threadIdx.x < n) {
+            const int64_t d = d0 + threadIdx.x;
+            const int64_t cell = base + (int64_t)src_here * s.max_tokens + (d - first[src_here]);
+            info = p.src_info[cell];
+            topk = p.topk[cell];
+        }
+        __syncthreads();
+        /* Write it. */
+#pragma unroll
+        for (int u = 0; u < EPX_LL_PACK_DEPTH; u++) {
+            const int64_t i = (int64_t)u * EPX_LL_THREADS + threadIdx.x;
+            if (i < n * vectors)
+                *reinterpret_cast<int4 *>(p.x + (size_t)(base + d0 + i / vectors) * p.row_bytes +
+                                          (size_t)(i % vectors) * 16) = v[u];
+        }
+        if (has_word)
+            reinterpret_cast<int32_t *>(p.scales)[(base + d_word) * p.scale_words +
+                                                  threadIdx.x % p.scale_words] = word;
+        if (threadIdx.x < n) {
+            const int64_t row = base + d0 + threadIdx.x;
+            p.src_info[row] = info;
+            p.topk[row] = topk;
+            p.src_rank[row] = src_here;
+        }
+        __syncthreads();
+    }
+}
+
 __global__ void __launch_bounds__(EPX_LL_THREADS)
     epx_ll_dispatch_recv_kernel(epx_ll_shape_t s, epx_ll_op_t op)
 {
@@ -283,14 +416,13 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const int R = s.world, L = s.num_local, slot = op.slot, lane = threadIdx.x & 31;
     int32_t *ok = smem;          /* [R] */
     int32_t *first = smem + R;   /* [L][R + 1]: first packed row of each source, then the total */
-    int32_t *expert_first = first + L * (R + 1); /* [L + 1]: first row of each expert, all rows */
-    __shared__ int last;
+    int32_t *spread_first = first + L * (R + 1); /* [L + 1]: the grid-shared rows before each expert */
     const uint64_t seq = epx_ll_seq(s, slot, 0);
     epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH, slot, seq, EPX_LL_STAGE_DISPATCH, ok);
 
-    const char *stage = s.sym + s.slot[slot];
+    char *sym = s.sym + s.slot[slot];
     char *out = s.local[slot];
-    const int32_t *counts = reinterpret_cast<const int32_t *>(stage + s.stage_count);
+    const int32_t *counts = reinterpret_cast<const int32_t *>(sym + s.sent_count);
     for (int e = threadIdx.x; e < L; e += blockDim.x) {
         int32_t pos = 0;
         for (int src = 0; src < R; src++) {
@@ -300,13 +432,15 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         first[e * (R + 1) + R] = pos;
     }
     __syncthreads();
+    /* Experts with at most M rows are packed by all warps of the grid together. */
     if (threadIdx.x == 0) {
         int32_t pos = 0;
         for (int e = 0; e < L; e++) {
-            expert_first[e] = pos;
-            pos += first[e * (R + 1) + R];
+            spread_first[e] = pos;
+            const int32_t total = first[e * (R + 1) + R];
+            pos += total <= s.max_tokens ? total : 0;
         }
-        expert_first[L] = pos;
+        spread_first[L] = pos;
     }
     __syncthreads();
     if (blockIdx.x == 0) {
@@ -314,58 +448,40 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             const int e = i / R, src = i % R;
             const int64_t begin = first[e * (R + 1) + src];
             const int64_t count = first[e * (R + 1) + src + 1] - begin;
-            reinterpret_cast<int64_t *>(s.sym + s.slot[slot] + s.recv_range)[i] =
+            reinterpret_cast<int64_t *>(sym + s.recv_range)[i] =
                 (int64_t)(((uint64_t)begin << 32) | (uint64_t)count);
         }
         for (int e = threadIdx.x; e < L; e += blockDim.x)
             reinterpret_cast<int32_t *>(out + s.recv_count)[e] = first[e * (R + 1) + R];
     }
 
-    /* The warps of the grid share all received rows evenly. */
-    const int fp8 = op.use_fp8, ue8m0 = op.use_ue8m0;
-    const size_t row_bytes = fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
-    const int64_t S = s.scale_cols, words = s.hidden / 512;
-    const int warps = gridDim.x * EPX_LL_WARPS;
-    for (int g = blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5); g < expert_first[L]; g += warps) {
-        {
-            const int e = epx_ll_find(expert_first, L, g);
-            const int32_t *f = first + e * (R + 1);
-            const int i = g - expert_first[e];
-            const int src = epx_ll_find(f, R, i);
-            const int64_t cell = ((int64_t)e * R + src) * s.max_tokens + (i - f[src]);
-            const int64_t row = (int64_t)e * s.rows + i;
-            epx_ll_warp_copy(out + s.recv_x + (size_t)row * row_bytes,
-                             stage + s.stage_x + (size_t)cell * s.x_row_bytes, row_bytes, lane);
-            const float *scales = reinterpret_cast<const float *>(stage + s.stage_scales) + cell * S;
-            if (ue8m0) {
-                uint32_t *packed = reinterpret_cast<uint32_t *>(out + s.recv_scales) + row * words;
-                for (int64_t w = lane; w < words; w += 32) {
-                    uint32_t word = 0;
-                    for (int b = 0; b < 4; b++)
-                        word |= ((__float_as_uint(__ldcg(scales + w * 4 + b)) >> 23) & 0xffu) << (8 * b);
-                    packed[w] = word;
-                }
-            } else if (fp8) {
-                float *dst = reinterpret_cast<float *>(out + s.recv_scales) + row * S;
-                for (int64_t g = lane; g < S; g += 32)
-                    dst[g] = __ldcg(scales + g);
-            }
-            if (lane == 0) {
-                reinterpret_cast<int32_t *>(out + s.recv_src_info)[row] =
-                    __ldcg(reinterpret_cast<const int32_t *>(stage + s.stage_token) + cell);
-                reinterpret_cast<int32_t *>(out + s.recv_topk)[row] =
-                    __ldcg(reinterpret_cast<const int32_t *>(stage + s.stage_topk) + cell);
-                reinterpret_cast<int32_t *>(out + s.recv_src_rank)[row] = src;
-            }
-        }
-    }
+    epx_ll_pack_t p;
+    p.x = sym + s.recv_x;
+    p.scales = sym + s.recv_scales;
+    p.src_info = reinterpret_cast<int32_t *>(sym + s.recv_src_info);
+    p.topk = reinterpret_cast<int32_t *>(sym + s.recv_topk);
+    p.src_rank = reinterpret_cast<int32_t *>(out + s.recv_src_rank);
+    p.row_bytes = op.use_fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
+    p.scale_words = !op.use_fp8 ? 0 : (op.use_ue8m0 ? s.hidden / 512 : s.scale_cols);
 
-    /* Done with the staging: the sources may fill this slot again. */
-    if (!epx_ll_last_block(s, s.arrive + slot * 4 + EPX_LL_ARRIVE_DISPATCH_RECV, &last))
-        return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        if (ok[r])
-            epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, seq);
+    const int warps = gridDim.x * EPX_LL_WARPS;
+    for (int g = blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5); g < spread_first[L]; g += warps) {
+        const int e = epx_ll_find(spread_first, L, g);
+        const int32_t *f = first + e * (R + 1);
+        const int i = g - spread_first[e];
+        const int src = epx_ll_find(f, R, i);
+        const int64_t cell = ((int64_t)e * R + src) * s.max_tokens + (i - f[src]);
+        epx_ll_pack_row(p, cell, (int64_t)e * s.rows + i, src, lane);
+    }
+    /* Crowded experts, one block each. */
+    int crowded = 0;
+    for (int e = 0; e < L; e++) {
+        const int32_t total = first[e * (R + 1) + R];
+        if (total <= s.max_tokens)
+            continue;
+        if (crowded++ % (int)gridDim.x == (int)blockIdx.x)
+            epx_ll_pack_crowded(p, s, e, first + e * (R + 1), total);
+    }
 }
 
 extern "C" int epx_ll_launch_dispatch_send(const epx_ll_shape_t *s, const epx_ll_op_t *op,

@@ -89,6 +89,11 @@ static void *plugin_peer_ptr(void *p, int pe)
     return nvshmem_ptr(p, pe);
 }
 
+static void plugin_finalize(void)
+{
+    nvshmem_finalize();
+}
+
 static const epx_ll_plugin_t plugin = {
     EPX_LL_PLUGIN_ABI,           plugin_version,
     plugin_uid_size,             plugin_get_uid,
@@ -96,7 +101,7 @@ static const epx_ll_plugin_t plugin = {
     plugin_free,                 plugin_barrier,
     plugin_peer_ptr,             epx_ll_launch_dispatch_send,
     epx_ll_launch_dispatch_recv, epx_ll_launch_combine_send,
-    epx_ll_launch_combine_recv,
+    epx_ll_launch_combine_recv,  plugin_finalize,
 };
 
 extern "C" __attribute__((visibility("default"))) const epx_ll_plugin_t *epx_ll_plugin_v1(void)
