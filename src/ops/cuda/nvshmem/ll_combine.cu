@@ -56,7 +56,10 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
         expert_first[L] = pos;
     }
     __syncthreads();
-    for (int g = blockIdx.x * EPX_LL_WARPS + warp; g < expert_first[L]; g += warps) {
+    /* Pull with x already in place (the zero-copy view): nothing to move, only the
+     * flags below. */
+    const int64_t rows_to_move = !s.use_puts && in_place ? 0 : expert_first[L];
+    for (int g = blockIdx.x * EPX_LL_WARPS + warp; g < rows_to_move; g += warps) {
         {
             const int e = epx_ll_find(expert_first, L, g);
             const int i = g - expert_first[e];
