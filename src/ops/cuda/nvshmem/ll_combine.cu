@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
 {
     extern __shared__ int32_t ok[]; /* [R] */
     __shared__ int last;
-    const int R = s.world, k = s.topk, L = s.num_local, slot = op.slot, lane = threadIdx.x & 31;
+    const int R = s.world, k = s.topk, slot = op.slot, lane = threadIdx.x & 31;
     const uint64_t seq = epx_ll_seq(s, slot, 1);
     epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE, slot, seq, EPX_LL_STAGE_COMBINE, ok);
 
