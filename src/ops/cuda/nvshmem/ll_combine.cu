@@ -152,22 +152,23 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const uint64_t seq = epx_ll_seq(s, slot, 1);
     epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE, slot, seq, EPX_LL_STAGE_COMBINE, ok);
 
-    const int64_t chunks = (s.hidden + 255) / 256;
-    const int64_t warps = (int64_t)gridDim.x * EPX_LL_WARPS;
+    /* 32-bit indices (tokens <= M, hidden < 2^31 / 256): fewer registers. */
+    const int chunks = (int)((s.hidden + 255) / 256), tokens = (int)op.tokens;
+    const int warps = (int)gridDim.x * EPX_LL_WARPS;
     /* A warp takes one token and every parts-th chunk of it (all warps busy). */
-    int64_t parts = op.tokens > 0 ? warps / op.tokens : 1;
+    int parts = tokens > 0 ? warps / tokens : 1;
     parts = parts < 1 ? 1 : (parts > chunks ? chunks : parts);
-    for (int64_t item = (int64_t)blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5);
-         item < op.tokens * parts; item += warps) {
-        const int64_t t = item / parts;
+    for (int item = (int)blockIdx.x * EPX_LL_WARPS + (int)(threadIdx.x >> 5); item < tokens * parts;
+         item += warps) {
+        const int t = item / parts;
         /* Lane j's entry: the row it reads, or NULL when it adds nothing, and its
          * weight. Computed once when k <= 32. */
         const char *my_row = NULL;
         float my_weight = 0.0f;
         if (k <= 32)
             epx_ll_entry(s, op, t, lane, ok, &my_row, &my_weight);
-        for (int64_t c = item % parts; c < chunks; c += parts) {
-            const int64_t channel = c * 256 + (int64_t)lane * 8;
+        for (int c = item % parts; c < chunks; c += parts) {
+            const int channel = c * 256 + lane * 8;
             float acc[8];
             for (int i = 0; i < 8; i++)
                 acc[i] = 0.0f;
@@ -177,30 +178,29 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                 if (k > 32)
                     epx_ll_entry(s, op, t, j0 + lane, ok, &row, &weight);
                 const int n = k - j0 < 32 ? k - j0 : 32;
-                /* Up to EPX_LL_BATCH rows in flight, then summed in j order. */
+                /* Up to EPX_LL_BATCH rows in flight, then summed in j order. Entries
+                 * that add nothing load zeros with weight 0: adding +0 leaves the sum
+                 * as it is (it is never -0), so it equals skipping them. Only the
+                 * loaded vectors are kept (registers). */
                 for (int b0 = 0; b0 < n; b0 += EPX_LL_BATCH) {
                     int4 raw[EPX_LL_BATCH];
-                    float w[EPX_LL_BATCH];
-                    const char *src[EPX_LL_BATCH];
 #pragma unroll
                     for (int b = 0; b < EPX_LL_BATCH; b++) {
-                        const int jj = b0 + b < n ? b0 + b : 0;
-                        src[b] = reinterpret_cast<const char *>(__shfl_sync(
-                            0xffffffffu, reinterpret_cast<unsigned long long>(row), jj));
-                        w[b] = __shfl_sync(0xffffffffu, weight, jj);
-                        if (b0 + b >= n)
-                            src[b] = NULL;
+                        const char *src = reinterpret_cast<const char *>(__shfl_sync(
+                            0xffffffffu, reinterpret_cast<unsigned long long>(row),
+                            b0 + b < n ? b0 + b : 0));
                         raw[b] = make_int4(0, 0, 0, 0);
-                        if (src[b] != NULL && channel < s.hidden)
-                            raw[b] = epx_ld_nc_v4(src[b] + channel * 2);
+                        if (b0 + b < n && src != NULL && channel < s.hidden)
+                            raw[b] = epx_ld_nc_v4(src + channel * 2);
                     }
 #pragma unroll
                     for (int b = 0; b < EPX_LL_BATCH; b++) {
-                        if (src[b] == NULL)
+                        const float w = __shfl_sync(0xffffffffu, weight, b0 + b < n ? b0 + b : 0);
+                        if (b0 + b >= n)
                             continue;
                         const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
                         for (int i = 0; i < 8; i++)
-                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w[b], __bfloat162float(y[i])));
+                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
                     }
                 }
             }

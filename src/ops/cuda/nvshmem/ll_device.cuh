@@ -17,7 +17,13 @@
 #include "ops/cuda/device.cuh"
 #include "ops/cuda/ll_plugin.h"
 
-#define EPX_LL_THREADS 1024
+/* Threads per block (one block per SM of the budget). 512 leaves each thread the ~100
+ * registers the kernels use; at 1024 they get 64 and spill to local memory, which
+ * measured 10% slower on a whole step (docs/PERFORMANCE.md, 2026-12-03). Overridable
+ * (-DEPX_LL_THREADS=...) for such comparisons. */
+#ifndef EPX_LL_THREADS
+#define EPX_LL_THREADS 512
+#endif
 #define EPX_LL_WARPS (EPX_LL_THREADS / 32)
 
 /* Index of the arrival counters (shape.arrive[slot * 4 + which]). */
