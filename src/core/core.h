@@ -110,7 +110,9 @@ void epx__log_set_rank(int rank);
     X(NVSHMEM_PLUGIN, STRING, "", 0, 0,                                                     \
       "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, then the build") \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
-      "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")
+      "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
+    X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
+      "Tests: internode puts go in reverse token order, half of them held up to this many ns")
 
 typedef enum {
 #define EPX_PARAM_ENUM_(name, type, def, min, max, doc) EPX_PARAM_##name,

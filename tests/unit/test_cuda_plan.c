@@ -91,9 +91,6 @@ static void check_refusals(void)
     epx__cuda_shape_t s;
     size_t slot = 0;
     epx_buffer_config_t c = make_config(64, 256, 128, 4);
-    struct epx_group split = make_group(0, 8, 4);
-    CHECK_STATUS(epx__cuda_plan(&split, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
-    CHECK_ERROR_MENTIONS("ranks_per_node");
     struct epx_group huge = make_group(0, EPX_CUDA_MAX_RANKS * 2, EPX_CUDA_MAX_RANKS * 2);
     c.num_experts = EPX_CUDA_MAX_RANKS * 2;
     CHECK_STATUS(epx__cuda_plan(&huge, &c, &s, &slot), EPX_ERR_UNSUPPORTED);

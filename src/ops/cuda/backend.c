@@ -3,11 +3,9 @@
  * through CUDA IPC, a host-mapped control block, a pool for handles), destruction,
  * aborting peers, the layout operation, the combine-input region, and the vtable.
  *
- * Normal mode runs over CUDA IPC, so every rank of the group must be in one IPC domain
- * (ranks_per_node == world_size): one node's NVLink GPUs, or several processes sharing
- * a GPU under MPS. Across nodes normal mode would need NVSHMEM, which it does not use;
- * a buffer there gets the low-latency part only (epx__cuda_choose_parts), and its
- * normal-mode entry points say so (epx__cuda_require_normal).
+ * On one node (ranks_per_node == world_size: one node's NVLink GPUs, or processes
+ * sharing a GPU under MPS) normal mode runs over CUDA IPC. Across nodes the same layout
+ * lives in NVSHMEM symmetric memory and the internode kernels run (internode.c).
  */
 #include <sched.h>
 #include <stdlib.h>
@@ -59,31 +57,19 @@ int epx__cuda_num_nodes(epx_group_t group)
 epx_status_t epx__cuda_choose_parts(epx_group_t group, const epx_buffer_config_t *config,
                                     int *with_normal)
 {
-    int nodes = epx__cuda_num_nodes(group);
-    if (nodes <= 1) {
-        *with_normal = 1;
-        return EPX_SUCCESS;
-    }
-    if (config->max_low_latency_tokens <= 0)
-        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "buffer: the group spans %d nodes (ranks_per_node %d, world size %d); "
-                         "across nodes the CUDA backend offers the low-latency mode only (set "
-                         "max_low_latency_tokens > 0 and use the epx_ll_* calls): normal mode "
-                         "runs over CUDA IPC and needs every rank in one node",
-                         nodes, group->ranks_per_node, group->world_size);
-    *with_normal = 0;
+    /* Normal mode everywhere: over CUDA IPC on one node, in internode form across. */
+    (void)group;
+    (void)config;
+    *with_normal = 1;
     return EPX_SUCCESS;
 }
 
 epx_status_t epx__cuda_require_normal(epx_buffer_t buffer, const char *op)
 {
     const epx__cuda_buffer_t *cuda = buffer->impl;
-    if (cuda->ipc != NULL)
+    if (cuda->shared != NULL)
         return EPX_SUCCESS;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                     "%s: normal mode needs all ranks of the group on one node (CUDA IPC); this "
-                     "buffer spans %d nodes: use the low-latency calls (epx_ll_*)",
-                     op, epx__cuda_num_nodes(buffer->group));
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "%s: this buffer has no normal-mode memory", op);
 }
 
 epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
@@ -95,12 +81,6 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
                          "buffer: the CUDA backend's normal mode takes at most %d ranks, the "
                          "group has %d",
                          EPX_CUDA_MAX_RANKS, R);
-    if (group->ranks_per_node != R)
-        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "buffer: normal mode over CUDA IPC needs every rank in one node "
-                         "(ranks_per_node %d, world size %d); internode normal mode is not "
-                         "built",
-                         group->ranks_per_node, R);
     if (config->num_experts > EPX_CUDA_MAX_EXPERTS)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "buffer: the CUDA backend takes at most %d experts, config has %d",
@@ -114,6 +94,9 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     s->hidden = config->hidden;
     s->max_recv = config->max_tokens_per_rank * R;
     s->timeout_ns = group->timeout_ms * 1000000;
+    s->ranks_per_node = group->ranks_per_node > 0 ? group->ranks_per_node : R;
+    s->num_nodes = R / s->ranks_per_node;
+    s->max_tokens = config->max_tokens_per_rank;
 
     int64_t L = s->num_local_experts, K = s->num_topk, rows = s->max_recv;
     int64_t off = sizeof(epx__cuda_ctrl_t);
@@ -149,6 +132,8 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     int64_t slot = align_up(config->max_tokens_per_rank * R * 4, EPX_CUDA_REGION_ALIGN);
     slot += EPX_CUDA_REGION_ALIGN + align_up(L * 4, EPX_CUDA_REGION_ALIGN);
     *handle_slot_bytes = (size_t)slot;
+    if (s->num_nodes > 1)
+        return epx__cuda_xn_plan(group, config, s, handle_slot_bytes);
     return EPX_SUCCESS;
 }
 
@@ -184,6 +169,7 @@ static void release_buffer(epx__cuda_buffer_t *cuda)
     if (cuda->local != NULL)
         (void)cudaFree(cuda->local);
     epx__cuda_ipc_destroy(cuda->ipc);
+    epx__cuda_xn_destroy(cuda, 0);
     if (cuda->pool != NULL)
         epx__cuda_pool_release(cuda->pool);
     /* Still set only when creation failed after it (leaks the symmetric part: freeing
@@ -203,7 +189,7 @@ static epx_status_t create_local(epx_buffer_t buffer, epx__cuda_buffer_t *cuda)
     epx__cuda_local_t init;
     memset(&init, 0, sizeof(init));
     for (int r = 0; r < R; r++)
-        init.peers[r] = cuda->ipc->peers[r];
+        init.peers[r] = cuda->peer_bases[r];
     EPX_CUDA_CHECK(cudaMemcpy(cuda->local, &init, sizeof(init), cudaMemcpyHostToDevice),
                    "buffer_create: initialising the device state");
 
@@ -254,12 +240,20 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     cudaError_t err = cudaSetDevice(group->device);
     if (err != cudaSuccess)
         status = EPX_CUDA_ERROR(err, "buffer_create: cudaSetDevice(%d)", group->device);
-    if (with_normal) {
+    if (with_normal && cuda->shape.num_nodes > 1) {
+        /* Collective (NVSHMEM set-up votes): a local failure above is carried into it. */
+        status = epx__cuda_xn_create(buffer, cuda, status);
+        if (status == EPX_SUCCESS)
+            status = create_local(buffer, cuda);
+    } else if (with_normal) {
         /* Collective: a local failure above is carried into the IPC step's vote. */
         status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status,
                                       &cuda->ipc);
-        if (status == EPX_SUCCESS)
+        if (status == EPX_SUCCESS) {
+            cuda->shared = cuda->ipc->local;
+            cuda->peer_bases = cuda->ipc->peers;
             status = create_local(buffer, cuda);
+        }
     }
     /* Low-latency mode (collective as well; a failure above joins its votes). */
     status = epx__cuda_ll_create(buffer, status, &cuda->ll);
@@ -281,16 +275,16 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
         return status;
     }
     buffer->impl = cuda;
-    if (with_normal)
+    if (cuda->ipc != NULL)
         EPX_INFO(EPX_SUBSYS_TRANSPORT,
                  "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",
                  group->device, (double)cuda->shape.shared_bytes / 1e6, group->world_size - 1);
     else
         EPX_INFO(EPX_SUBSYS_TRANSPORT,
-                 "cuda buffer: device %d, the group spans %d nodes (%d ranks per node): "
-                 "low-latency mode only (NVSHMEM), no normal-mode part over CUDA IPC; "
-                 "dispatch and combine return EPX_ERR_UNSUPPORTED",
-                 group->device, epx__cuda_num_nodes(group), group->ranks_per_node);
+                 "cuda buffer: device %d, internode normal mode: %d nodes of %d ranks, %.1f MB "
+                 "of NVSHMEM symmetric memory per rank (stores inside a node, puts across)",
+                 group->device, epx__cuda_num_nodes(group), group->ranks_per_node,
+                 (double)cuda->shape.shared_bytes / 1e6);
     return EPX_SUCCESS;
 }
 
@@ -299,7 +293,7 @@ static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t
 {
     const epx__cuda_buffer_t *cuda = buffer->impl;
     EPX_CHECK(epx__cuda_require_normal(buffer, "get_combine_input"));
-    *base = (char *)cuda->ipc->local + cuda->shape.off_combine_input;
+    *base = cuda->shared + cuda->shape.off_combine_input;
     *rows = cuda->shape.max_recv;
     return EPX_SUCCESS;
 }
@@ -354,6 +348,8 @@ static void cuda_buffer_destroy(epx_buffer_t buffer)
         ll_healthy = ll_all_healthy(buffer); /* also the barrier */
     epx__cuda_ll_destroy(cuda->ll, ll_healthy);
     cuda->ll = NULL;
+    /* After the low-latency part: symmetric frees happen in the same order everywhere. */
+    epx__cuda_xn_destroy(cuda, ll_healthy);
     release_buffer(cuda);
     buffer->impl = NULL;
 }
@@ -362,9 +358,9 @@ static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *mes
 {
     (void)message;
     epx__cuda_buffer_t *cuda = buffer->impl;
-    /* The abort word lives in the peers' normal-mode memory (CUDA IPC). A buffer across
-     * nodes has none: its low-latency kernels time out on a silent peer and mask it. */
-    if (cuda == NULL || cuda->ipc == NULL)
+    /* The abort word lives in the peers' normal-mode memory, written directly where it
+     * is mapped (this node). Ranks on other nodes time out on the failed rank instead. */
+    if (cuda == NULL || cuda->peer_bases == NULL)
         return;
     int me = buffer->group->rank;
     int culprit = epx__cuda_failure_culprit(buffer);
@@ -374,8 +370,8 @@ static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *mes
     *cuda->abort_word = EPX_CUDA_ABORT_PACK(code, EPX_CUDA_STAGE_NONE, me, culprit);
     /* Through a non-blocking stream: the user's stream may hold kernels that spin. */
     for (int r = 0; r < buffer->group->world_size; r++)
-        if (r != me)
-            (void)cudaMemcpyAsync(cuda->ipc->peers[r], cuda->abort_word, sizeof(uint64_t),
+        if (r != me && cuda->peer_bases[r] != NULL)
+            (void)cudaMemcpyAsync(cuda->peer_bases[r], cuda->abort_word, sizeof(uint64_t),
                                   cudaMemcpyHostToDevice, cuda->abort_stream);
     int64_t deadline = epx__now_ns() + 1000000000ll;
     while (cudaStreamQuery(cuda->abort_stream) == cudaErrorNotReady && epx__now_ns() < deadline)

@@ -29,7 +29,7 @@ static epx_status_t stage_rows(epx__cuda_buffer_t *cuda, const epx_tensor_t *ten
     memset(&c, 0, sizeof(c));
     c.src = tensor->data;
     c.src_pitch = epx__tensor_row_stride(tensor) * (int64_t)epx_dtype_size(tensor->dtype);
-    c.dst = (char *)cuda->ipc->local + offset;
+    c.dst = cuda->shared + offset;
     c.dst_pitch = row_bytes;
     c.row_bytes = row_bytes;
     c.rows = rows;
@@ -47,7 +47,7 @@ static epx_status_t stage_rows(epx__cuda_buffer_t *cuda, const epx_tensor_t *ten
 static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
                              int64_t rows, int *inside, int64_t *offset, int64_t *stride)
 {
-    uintptr_t base = (uintptr_t)cuda->ipc->local;
+    uintptr_t base = (uintptr_t)cuda->shared;
     uintptr_t end = base + (uintptr_t)cuda->shape.shared_bytes;
     uintptr_t first = (uintptr_t)x->data;
     int64_t pitch = epx__tensor_row_stride(x) * 2;
@@ -114,7 +114,9 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     c.x_offset = x_offset;
     c.x_stride = x_stride;
     c.x_rows = rows;
-    c.num_blocks = epx__cuda_blocks_for(cuda, handle->num_tokens);
-    EPX_CUDA_CHECK(epx__cuda_launch_combine(s, &c, st), "combine: launching the combine kernel");
+    /* Internode: the reduce kernel also sums the records this rank forwarded. */
+    c.num_blocks = cuda->xn != NULL ? cuda->num_sms : epx__cuda_blocks_for(cuda, handle->num_tokens);
+    c.xn = state->xn;
+    EPX_CUDA_CHECK(epx__cuda_run_combine(cuda, &c, st), "combine: launching the combine kernel");
     return EPX_SUCCESS;
 }

@@ -2,10 +2,10 @@
  * Host side of the CUDA backend (normal mode over CUDA IPC): the buffer's state, the
  * handles' device state, and the helpers the operation files share.
  *
- * A buffer whose group spans several nodes has no normal-mode part: CUDA IPC reaches
- * only the GPUs of one node, while the low-latency part (ll.h, NVSHMEM) reaches peers
- * without a mapping. Such a buffer offers the epx_ll_* calls only; its normal-mode
- * entry points return EPX_ERR_UNSUPPORTED (epx__cuda_require_normal).
+ * A buffer whose group spans several nodes runs normal mode in internode form
+ * (internode.c, nvshmem/xn_*.cu): the same memory layout and host logic, its shared
+ * allocation in NVSHMEM symmetric memory instead of CUDA IPC, ranks of its own node
+ * reached by stores and the other nodes by NVSHMEM puts.
  *
  * Files: backend.c (the vtable, buffers, layout, abort), dispatch.c, combine.c,
  * errors.c (device error record -> status, host waits), pool.c (device memory of
@@ -47,14 +47,19 @@ typedef struct {
     int32_t *send_row;        /* [num_tokens][R]: row of each token at each rank, or -1 */
     int32_t *recv_count;      /* rows received */
     int32_t *recv_per_expert; /* [L], rounded up to the handle's alignment */
+    epx__cuda_xn_routing_t xn; /* internode mode; NULL arrays on one node */
 } epx__cuda_handle_state_t;
 
 /* ---------------------------------------------------------------- buffers */
 
+typedef struct epx__cuda_xn epx__cuda_xn_t;
+
 typedef struct {
-    /* Normal mode. All NULL (and shape zeroed) when the group spans several nodes:
-     * ipc, local, mapped, abort_stream, abort_word, pool. */
+    /* Normal mode: over CUDA IPC on one node (ipc), over NVSHMEM across nodes (xn). */
     epx__cuda_ipc_t *ipc;
+    epx__cuda_xn_t *xn;
+    char *shared;                 /* this rank's shared allocation (either kind) */
+    char **peer_bases;            /* [R] host copy of the peers' bases (NULL: other node) */
     epx__cuda_shape_t shape;      /* what kernels see (device addresses) */
     epx__cuda_local_t *local;     /* device */
     epx__cuda_mapped_t *mapped;   /* host address of the mapped block */
@@ -117,6 +122,32 @@ int epx__cuda_failure_culprit(epx_buffer_t buffer);
 int epx__cuda_alignment(const void *data, int64_t pitch_bytes);
 /* Blocks for a data kernel: one warp per token, at most the buffer's SM budget. */
 int epx__cuda_blocks_for(const epx__cuda_buffer_t *cuda, int64_t tokens);
+
+/* ---------------------------------------------------------------- kernels */
+
+/* The normal-mode kernels of this buffer: single-node (CUDA IPC) or internode. */
+cudaError_t epx__cuda_run_notify(const epx__cuda_buffer_t *cuda,
+                                 const epx__cuda_notify_args_t *args, cudaStream_t stream);
+cudaError_t epx__cuda_run_dispatch(const epx__cuda_buffer_t *cuda,
+                                   const epx__cuda_dispatch_args_t *args, cudaStream_t stream);
+cudaError_t epx__cuda_run_combine(const epx__cuda_buffer_t *cuda,
+                                  const epx__cuda_combine_args_t *args, cudaStream_t stream);
+
+/* ---------------------------------------------------------------- internode */
+
+/* Adds the internode regions to a plan (shape->num_nodes > 1) and the handle's routing
+ * to the handle slot size. */
+epx_status_t epx__cuda_xn_plan(epx_group_t group, const epx_buffer_config_t *config,
+                               epx__cuda_shape_t *shape, size_t *handle_slot_bytes);
+/* Collective: symmetric memory for the shared allocation, the peers of this node.
+ * Fills cuda->shared, cuda->xn and cuda->peer_bases. */
+epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
+                                 epx_status_t status);
+/* `healthy`: every rank agreed no peer failed (freeing symmetric memory is collective). */
+void epx__cuda_xn_destroy(epx__cuda_buffer_t *cuda, int healthy);
+/* The routing arrays of a handle slot (after the single-node ones). */
+void epx__cuda_xn_routing(const epx__cuda_shape_t *shape, void *slot, int64_t offset,
+                          epx__cuda_xn_routing_t *routing);
 
 epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                                 epx_dispatch_result_t *result, void *stream);

@@ -50,6 +50,8 @@ static epx_status_t state_create(epx__cuda_buffer_t *cuda, epx__cuda_handle_stat
     state->send_row = (int32_t *)state->slot;
     state->recv_count = (int32_t *)((char *)state->slot + send_bytes);
     state->recv_per_expert = (int32_t *)((char *)state->slot + send_bytes + 256);
+    int64_t expert_bytes = ((int64_t)cuda->shape.num_local_experts * 4 + 255) / 256 * 256;
+    epx__cuda_xn_routing(&cuda->shape, state->slot, send_bytes + 256 + expert_bytes, &state->xn);
     *out = state;
     return EPX_SUCCESS;
 }
@@ -59,7 +61,7 @@ static epx_status_t output(epx__cuda_buffer_t *cuda, const epx_tensor_t *given, 
                            epx_dtype_t dtype, int64_t rows, int64_t cols,
                            const int32_t *rows_device, cudaStream_t stream, epx_tensor_t *out)
 {
-    char *region = (char *)cuda->ipc->local + offset;
+    char *region = cuda->shared + offset;
     int64_t row_bytes = cols * (int64_t)epx_dtype_size(dtype);
     if (!epx__tensor_given(given)) {
         *out = epx_tensor_2d(region, dtype, rows, cols);
@@ -100,7 +102,8 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
     n.recv_per_expert = state->recv_per_expert;
     n.expert_alignment = args->expert_alignment > 1 ? args->expert_alignment : 1;
     n.ticket = ticket;
-    EPX_CUDA_CHECK(epx__cuda_launch_notify(&cuda->shape, &n, stream),
+    n.xn = state->xn;
+    EPX_CUDA_CHECK(epx__cuda_run_notify(cuda, &n, stream),
                    "dispatch: launching the count exchange");
 
     size_t element = epx_dtype_size(args->x.dtype);
@@ -127,8 +130,10 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
     d.num_tokens = tokens;
     d.send_row = state->send_row;
     d.fresh = fresh;
-    d.num_blocks = epx__cuda_blocks_for(cuda, tokens);
-    EPX_CUDA_CHECK(epx__cuda_launch_dispatch(&cuda->shape, &d, stream),
+    /* Internode: the forwarding kernel's work is the records that arrive, not known here. */
+    d.num_blocks = cuda->xn != NULL ? cuda->num_sms : epx__cuda_blocks_for(cuda, tokens);
+    d.xn = state->xn;
+    EPX_CUDA_CHECK(epx__cuda_run_dispatch(cuda, &d, stream),
                    "dispatch: launching the data kernel");
     return EPX_SUCCESS;
 }

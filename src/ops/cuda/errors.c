@@ -26,6 +26,12 @@ static const char *stage_name(int stage)
         return "combine (waiting for peers' inputs)";
     case EPX_CUDA_STAGE_COMBINE_DONE:
         return "combine (waiting for peers to finish reading)";
+    case EPX_CUDA_STAGE_FORWARD:
+        return "dispatch (waiting for tokens from another node)";
+    case EPX_CUDA_STAGE_COMBINE_ENTER:
+        return "combine (waiting for a home rank on another node to enter)";
+    case EPX_CUDA_STAGE_COMBINE_PARTIAL:
+        return "combine (waiting for partial sums from another node)";
     default:
         return "an operation";
     }

@@ -52,6 +52,10 @@ typedef enum {
     EPX_CUDA_STAGE_DISPATCH = 3,      /* dispatch: waiting for data */
     EPX_CUDA_STAGE_COMBINE_READY = 4, /* combine: waiting for peers' inputs */
     EPX_CUDA_STAGE_COMBINE_DONE = 5,  /* combine: waiting for peers to finish reading */
+    /* Internode mode (several nodes): */
+    EPX_CUDA_STAGE_FORWARD = 6,         /* dispatch: waiting for another node's tokens */
+    EPX_CUDA_STAGE_COMBINE_ENTER = 7,   /* combine: waiting for a home rank to enter */
+    EPX_CUDA_STAGE_COMBINE_PARTIAL = 8, /* combine: waiting for another node's sums */
 } epx__cuda_stage_t;
 
 /* What the device error record says happened. */
@@ -87,7 +91,12 @@ typedef struct {
     int64_t ready_stride;   /* combine: bytes between the peer's x rows */
     int64_t ready_rows;     /* combine: rows of the peer's x */
     int32_t status[2];      /* count exchange: the peer's input status, per parity */
-    int32_t reserved[14];
+    /* Internode mode: NVSHMEM signals from the peer of the same local rank on another
+     * node (counters add one per record and only grow; the enter flag carries seq). */
+    uint64_t xn_records;    /* dispatch: records of this peer's node that arrived */
+    uint64_t xn_partials;   /* combine: partial sums from this peer's node that arrived */
+    uint64_t xn_enter;      /* combine: this home rank entered combine seq */
+    int32_t reserved[8];
 } epx__cuda_slot_t;
 
 /* Start of the control area. */
@@ -104,10 +113,19 @@ typedef struct {
     int32_t failed;                                 /* nonzero: an error was recorded */
     int32_t reserved;
     int32_t base[EPX_CUDA_MAX_RANKS]; /* this rank's first row at each receiver */
-    char *peers[EPX_CUDA_MAX_RANKS];  /* every rank's shared allocation, mapped here */
+    char *peers[EPX_CUDA_MAX_RANKS];  /* every rank's shared allocation, mapped here; NULL
+                                         for ranks on other nodes (reached by NVSHMEM) */
+    /* Internode mode: the xn_records / xn_partials totals already consumed, per node. */
+    uint64_t xn_records_seen[EPX_CUDA_MAX_RANKS];
+    uint64_t xn_partials_seen[EPX_CUDA_MAX_RANKS];
 } epx__cuda_local_t;
 
-enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
+enum {
+    EPX_CUDA_COUNTER_DISPATCH = 0,
+    EPX_CUDA_COUNTER_COMBINE = 1,
+    EPX_CUDA_COUNTER_FORWARD = 2, /* internode: the dispatch's second kernel */
+    EPX_CUDA_COUNTER_PARTIAL = 3  /* internode: the combine's second kernel */
+};
 
 /* Host memory mapped into the device. */
 typedef struct {
@@ -145,6 +163,23 @@ typedef struct {
     int64_t off_combine_weights; /* [max_recv][K] fp32: combine's topk_weights input */
     int64_t off_combine_input; /* [max_recv] bf16 rows of hidden: epx_get_combine_input */
     int64_t shared_bytes;
+    /*
+     * Internode mode (num_nodes > 1; the shared allocation is NVSHMEM symmetric memory,
+     * see src/ops/cuda/internode.h). T = max_tokens_per_rank, N nodes, P ranks per node.
+     */
+    int ranks_per_node;        /* P (= world_size on one node) */
+    int num_nodes;             /* N */
+    int64_t max_tokens;        /* T */
+    int64_t off_xn_counts;     /* [2][R][xn_count_cols] int32: row s written by rank s */
+    int64_t off_xn_counts_out; /* [R][xn_count_cols] int32: this rank's messages, staged */
+    int64_t xn_count_cols;     /* R rank counts, N node counts, L expert counts, status */
+    int64_t off_xn_inbox;      /* [N][T] records from node n's rank of this local rank */
+    int64_t off_xn_outbox;     /* [N][T] records for node n, staged for the put */
+    int64_t xn_record_pitch;   /* bytes of a record slot (sized for bf16 rows) */
+    int64_t off_xn_partial_in; /* [N][T] partial sums from node n (own node: by token) */
+    int64_t off_xn_partial_out; /* [N][T] partial sums for node n's home ranks, staged */
+    int64_t xn_partial_pitch;  /* bytes of a partial slot: bf16 row + K fp32 weights */
+    int64_t xn_test_delay_ns;  /* EPX_XN_TEST_DELAY_NS: late, out-of-order puts (tests) */
     epx__cuda_local_t *local;
     epx__cuda_mapped_t *mapped;      /* device address of the mapped block */
     int32_t *mapped_rank_counts;     /* [R * R] */
@@ -167,6 +202,51 @@ cudaError_t epx__cuda_launch_layout(const epx__cuda_shape_t *shape,
                                     const epx__cuda_layout_args_t *args, int num_sms,
                                     cudaStream_t stream);
 
+/* ---------------------------------------------------------------- internode routing */
+
+/*
+ * A dispatch's internode routing, in the handle's device memory (NULL on one node):
+ * written by the fresh count exchange and the forwarding kernel, read by cached
+ * dispatches and combines.
+ */
+typedef struct {
+    int32_t *node_pos;   /* [T][N]: token's record index among this rank's records for
+                            node n, or -1 (not sent there, or n is this rank's node) */
+    int32_t *node_out;   /* [N]: records this rank sends to node n */
+    int32_t *node_in;    /* [N]: records node n's rank of this local rank sends here */
+    int32_t *fwd_rows;   /* [N][T][P]: for record j from node n, its row at each local
+                            rank of this node, or -1 */
+} epx__cuda_xn_routing_t;
+
+#ifdef __CUDACC__
+#define EPX_CUDA_HOST_DEVICE static __host__ __device__ __forceinline__
+#else
+#define EPX_CUDA_HOST_DEVICE static inline
+#endif
+
+/*
+ * One internode record: a token on its way to another node, put as one message into
+ * the same local rank there, which forwards it. Offsets from the record's start; the
+ * x row first (bf16 or fp8), then fp32 scales (fp8), the token's top-k ids (int64,
+ * global) and weights (fp32), and its row at each rank of the destination node
+ * (int32, -1 = not there). Sized per dispatch, so an fp8 record moves no bf16 padding.
+ */
+typedef struct {
+    int64_t scales, topk_idx, weights, rows, bytes;
+} epx__cuda_xn_record_t;
+
+EPX_CUDA_HOST_DEVICE epx__cuda_xn_record_t epx__cuda_xn_record(int64_t row_bytes, int num_scales,
+                                                              int topk, int ranks_per_node)
+{
+    epx__cuda_xn_record_t r;
+    r.scales = (row_bytes + 15) / 16 * 16;
+    r.topk_idx = (r.scales + (int64_t)num_scales * 4 + 15) / 16 * 16;
+    r.weights = r.topk_idx + (int64_t)topk * 8;
+    r.rows = r.weights + (int64_t)topk * 4;
+    r.bytes = (r.rows + (int64_t)ranks_per_node * 4 + 15) / 16 * 16;
+    return r;
+}
+
 /* ---------------------------------------------------------------- count exchange */
 
 typedef struct {
@@ -179,6 +259,8 @@ typedef struct {
     int expert_alignment;     /* 1 = none */
     int reserved;
     uint64_t ticket;          /* nonzero: publish results to mapped memory, then ticket */
+    /* Internode mode (handle state, see epx__cuda_xn_routing_t) */
+    epx__cuda_xn_routing_t xn;
 } epx__cuda_notify_args_t;
 
 cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
@@ -203,6 +285,7 @@ typedef struct {
     int32_t *send_row; /* [T][R]; fresh: ordinals, turned into rows in place */
     int fresh;
     int num_blocks;
+    epx__cuda_xn_routing_t xn; /* internode mode */
 } epx__cuda_dispatch_args_t;
 
 cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
@@ -225,6 +308,7 @@ typedef struct {
     int64_t x_rows;
     int num_blocks;
     int reserved;
+    epx__cuda_xn_routing_t xn; /* internode mode */
 } epx__cuda_combine_args_t;
 
 cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,

@@ -22,29 +22,7 @@
  * Buffer use: the count rows are double-buffered by sequence parity (2 * R * (R + L)
  * int32 per rank); shared memory is E + 33 * 64 int32.
  */
-#include "signal.cuh"
-
-/* Destination rank bit mask of one token; bad ids are recorded and skipped. */
-__device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
-                                                   const int64_t *row, int64_t token,
-                                                   int32_t *expert_counts, int stage, int *bad)
-{
-    uint64_t mask = 0;
-    for (int k = 0; k < s.num_topk; k++) {
-        int64_t e = row[k];
-        if (e == -1)
-            continue;
-        if (e < -1 || e >= s.num_experts) {
-            epx_record_failure(s, EPX_CUDA_FAIL_EXPERT_ID, stage, s.rank, s.rank, e,
-                               token * s.num_topk + k, 0);
-            *bad = 1;
-            continue;
-        }
-        atomicAdd(&expert_counts[e], 1);
-        mask |= 1ull << (e / s.num_local_experts);
-    }
-    return mask;
-}
+#include "notify.cuh"
 
 __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     epx_layout_kernel(epx__cuda_shape_t s, epx__cuda_layout_args_t a)
@@ -76,49 +54,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         if (rank_counts[r] != 0)
             atomicAdd(&a.num_tokens_per_rank[r], rank_counts[r]);
-}
-
-/* Step 1 of the notify kernel: ordinals into send_row, counts into shared memory. */
-__device__ void epx_notify_scan(const epx__cuda_shape_t &s, const epx__cuda_notify_args_t &a,
-                                int32_t *expert_counts, int32_t *warp_totals,
-                                int32_t *running, int *bad)
-{
-    const int R = s.world_size;
-    const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
-        int64_t t = first + threadIdx.x;
-        uint64_t mask = 0;
-        if (t < a.num_tokens)
-            mask = epx_token_mask(s, a.topk_idx + t * a.topk_stride, t, expert_counts,
-                                  EPX_CUDA_STAGE_NOTIFY, bad);
-        for (int r = 0; r < R; r++) {
-            unsigned ballot = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
-            if (lane == 0)
-                warp_totals[warp * EPX_CUDA_MAX_RANKS + r] = __popc(ballot);
-        }
-        __syncthreads();
-        /* Turn per-warp totals into each warp's first ordinal, carrying the running count. */
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            int32_t acc = running[r];
-            for (int w = 0; w < (int)(blockDim.x >> 5); w++) {
-                int32_t total = warp_totals[w * EPX_CUDA_MAX_RANKS + r];
-                warp_totals[w * EPX_CUDA_MAX_RANKS + r] = acc;
-                acc += total;
-            }
-            running[r] = acc;
-        }
-        __syncthreads();
-        for (int r = 0; r < R; r++) {
-            unsigned ballot = __ballot_sync(0xffffffffu, (mask >> r) & 1u);
-            if (t < a.num_tokens) {
-                int32_t ordinal = warp_totals[warp * EPX_CUDA_MAX_RANKS + r] +
-                                  __popc(ballot & lanes_below);
-                a.send_row[t * R + r] = ((mask >> r) & 1u) ? ordinal : -1;
-            }
-        }
-        __syncthreads();
-    }
 }
 
 /* Step 2: this rank's counts (fresh) or just its arrival (cached) to every peer. */

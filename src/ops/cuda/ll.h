@@ -52,6 +52,17 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy);
  */
 epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3]);
 
+/*
+ * NVSHMEM for another user of the symmetric heap (internode normal mode): load the
+ * plugin and set NVSHMEM up for this group if it is not (collective; `status` is this
+ * rank's state so far, carried into the vote). On success the caller holds NVSHMEM
+ * until epx__cuda_nvshmem_release (healthy = no peer failed, so finalising stays safe).
+ * `sym_bytes` sizes the heap's default when this call sets NVSHMEM up.
+ */
+epx_status_t epx__cuda_nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_status_t status,
+                                     const epx_ll_plugin_t **plugin);
+void epx__cuda_nvshmem_release(int healthy);
+
 /* A device-side low-latency failure, once, as buffer->ll_peer_error (not a poison). */
 void epx__cuda_ll_poll(epx_buffer_t buffer);
 

@@ -43,11 +43,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ops/cuda/launch.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 2
+#define EPX_LL_PLUGIN_ABI 3
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 #define EPX_LL_PLUGIN_FILE "libepx_nvshmem.so"
 
@@ -135,6 +137,15 @@ typedef struct {
     int (*combine_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     /* Collective on every PE; NVSHMEM cannot be set up again in this process. */
     void (*finalize)(void);
+    /* Internode normal mode (src/ops/cuda/internode.h): the count exchange, dispatch
+     * (send + forward) and combine (ready + reduce + finish) on a normal-mode shape whose
+     * shared allocation is symmetric. Stream-ordered; return a cudaError_t as int. */
+    int (*xn_notify)(const epx__cuda_shape_t *shape, const epx__cuda_notify_args_t *args,
+                     void *stream);
+    int (*xn_dispatch)(const epx__cuda_shape_t *shape, const epx__cuda_dispatch_args_t *args,
+                       void *stream);
+    int (*xn_combine)(const epx__cuda_shape_t *shape, const epx__cuda_combine_args_t *args,
+                      void *stream);
 } epx_ll_plugin_t;
 
 typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);

@@ -311,6 +311,27 @@ static epx_status_t nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_statu
     return status;
 }
 
+epx_status_t epx__cuda_nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_status_t status,
+                                     const epx_ll_plugin_t **plugin)
+{
+    status = nvshmem_setup(group, sym_bytes, status);
+    *plugin = status == EPX_SUCCESS ? nv.plugin : NULL;
+    if (status == EPX_SUCCESS) {
+        pthread_mutex_lock(&nv_lock);
+        nv.live_buffers++;
+        pthread_mutex_unlock(&nv_lock);
+    }
+    return status;
+}
+
+void epx__cuda_nvshmem_release(int healthy)
+{
+    pthread_mutex_lock(&nv_lock);
+    nv.live_buffers--;
+    nv.saw_failure = nv.saw_failure || !healthy;
+    pthread_mutex_unlock(&nv_lock);
+}
+
 /* Device memory, the peer table and the failure record; zeroes everything. */
 static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
 {

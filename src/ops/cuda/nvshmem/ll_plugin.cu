@@ -16,6 +16,12 @@ extern "C" int epx_ll_launch_dispatch_send(const epx_ll_shape_t *, const epx_ll_
 extern "C" int epx_ll_launch_dispatch_recv(const epx_ll_shape_t *, const epx_ll_op_t *, void *);
 extern "C" int epx_ll_launch_combine_send(const epx_ll_shape_t *, const epx_ll_op_t *, void *);
 extern "C" int epx_ll_launch_combine_recv(const epx_ll_shape_t *, const epx_ll_op_t *, void *);
+extern "C" int epx_xn_launch_notify(const epx__cuda_shape_t *, const epx__cuda_notify_args_t *,
+                                    void *);
+extern "C" int epx_xn_launch_dispatch(const epx__cuda_shape_t *,
+                                      const epx__cuda_dispatch_args_t *, void *);
+extern "C" int epx_xn_launch_combine(const epx__cuda_shape_t *, const epx__cuda_combine_args_t *,
+                                     void *);
 
 static void plugin_version(int *major, int *minor, int *patch)
 {
@@ -102,6 +108,8 @@ static const epx_ll_plugin_t plugin = {
     plugin_peer_ptr,             epx_ll_launch_dispatch_send,
     epx_ll_launch_dispatch_recv, epx_ll_launch_combine_send,
     epx_ll_launch_combine_recv,  plugin_finalize,
+    epx_xn_launch_notify,        epx_xn_launch_dispatch,
+    epx_xn_launch_combine,
 };
 
 extern "C" __attribute__((visibility("default"))) const epx_ll_plugin_t *epx_ll_plugin_v1(void)
