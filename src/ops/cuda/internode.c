@@ -50,6 +50,10 @@ epx_status_t epx__cuda_xn_plan(epx_group_t group, const epx_buffer_config_t *con
     int R = group->world_size, P = s->ranks_per_node, N = s->num_nodes;
     int64_t T = config->max_tokens_per_rank, K = config->num_topk, H = config->hidden;
     int64_t L = config->num_experts / R;
+    if (K > 256)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "buffer: internode normal mode takes num_topk up to 256 (config has %lld)",
+                         (long long)K);
     int scales = H % 128 == 0 ? (int)(H / 128) : 0;
     s->max_tokens = T;
     s->xn_count_cols = align_up(R + N + L + 1, 4);

@@ -120,12 +120,7 @@ typedef struct {
     uint64_t xn_partials_seen[EPX_CUDA_MAX_RANKS];
 } epx__cuda_local_t;
 
-enum {
-    EPX_CUDA_COUNTER_DISPATCH = 0,
-    EPX_CUDA_COUNTER_COMBINE = 1,
-    EPX_CUDA_COUNTER_FORWARD = 2, /* internode: the dispatch's second kernel */
-    EPX_CUDA_COUNTER_PARTIAL = 3  /* internode: the combine's second kernel */
-};
+enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
 
 /* Host memory mapped into the device. */
 typedef struct {

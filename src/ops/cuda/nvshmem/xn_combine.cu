@@ -13,14 +13,13 @@
  *    one node), tell each partner on another node that this home rank entered the
  *    combine (an NVSHMEM signal: from then on the partner may put partial sums here),
  *    and wait until every rank of this node published its x.
- * 2. Reduce (the SM budget, a warp per item): the partial sum of this node for each of
- *    this rank's own tokens (kept here), and for each record forwarded in the dispatch
- *    (read from the ranks of this node in place), staged and put with a signal that
- *    adds one to a counter at the record's home rank.
- * 3. Finish (the SM budget, a warp per token): wait until each node's counter has all
- *    its partial sums, add the partials in node order, write out; the last block tells
- *    the ranks of this node it no longer reads their x, waits for theirs, and ends the
- *    operation.
+ * 2. Combine (the SM budget, a warp per item): first, for each record forwarded in the
+ *    dispatch, this node's partial sum (rows read from the ranks of this node in place),
+ *    staged and put with a signal that adds one to a counter at the record's home rank;
+ *    then, for each own token, this node's partial in registers plus the other nodes'
+ *    partials (after waiting until each node's counter has all of them), in node order,
+ *    written to out. The last block tells the ranks of this node it no longer reads their
+ *    x, waits for theirs, and ends the operation.
  */
 #include "ops/cuda/nvshmem/xn_device.cuh"
 
@@ -51,35 +50,37 @@ __global__ void __launch_bounds__(64) epx_xn_ready_kernel(epx__cuda_shape_t s,
                       EPX_CUDA_STAGE_COMBINE_READY, first + p);
 }
 
+#define EPX_XN_COMBINE_GROUP 4
+
 /*
- * out_row = bf16(sum of the n source rows, in order), and when `weights` the K fp32
- * weights of each source summed into out_weights. The warp's lanes split the row.
+ * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane; kGroup sources
+ * x kUnroll vectors of loads in flight per lane. `fresh` sources (written by a peer's
+ * put during this kernel) are read through L2 only.
  */
-__device__ __forceinline__ void epx_xn_sum_rows(const char *const *src, const float *const *wsrc,
-                                                int n, int64_t units, char *out_row, int out_align,
-                                                float *out_weights, int K, int fresh_src)
+__device__ __forceinline__ void epx_xn_accumulate(const char *const *src, int n, int64_t i0,
+                                                  int64_t units, int fresh,
+                                                  float (&acc)[EPX_XN_COMBINE_UNROLL][8])
 {
     const int lane = epx_lane();
-    const int kUnroll = EPX_XN_COMBINE_UNROLL;
-    for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
-        float acc[kUnroll][8];
+    const int kUnroll = EPX_XN_COMBINE_UNROLL, kGroup = EPX_XN_COMBINE_GROUP;
+    for (int j0 = 0; j0 < n; j0 += kGroup) {
+        int4 v[kGroup][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; u++)
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-                acc[u][e] = 0.0f;
-        for (int j = 0; j < n; j++) {
-            int4 v[kUnroll];
+        for (int g = 0; g < kGroup; g++)
 #pragma unroll
             for (int u = 0; u < kUnroll; u++) {
                 int64_t i = i0 + u * 32 + lane;
-                if (i < units)
-                    v[u] = fresh_src ? __ldcg(reinterpret_cast<const int4 *>(src[j]) + i)
-                                     : epx_ld_nc_v4(src[j] + i * 16);
+                if (j0 + g < n && i < units)
+                    v[g][u] = fresh ? __ldcg(reinterpret_cast<const int4 *>(src[j0 + g]) + i)
+                                    : epx_ld_nc_v4(src[j0 + g] + i * 16);
             }
 #pragma unroll
+        for (int g = 0; g < kGroup; g++) {
+            if (j0 + g >= n)
+                break;
+#pragma unroll
             for (int u = 0; u < kUnroll; u++) {
-                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[u]);
+                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     acc[u][2 * e] += epx_bf16_lo(w[e]);
@@ -87,36 +88,56 @@ __device__ __forceinline__ void epx_xn_sum_rows(const char *const *src, const fl
                 }
             }
         }
-#pragma unroll
-        for (int u = 0; u < kUnroll; u++) {
-            int64_t i = i0 + u * 32 + lane;
-            if (i < units) {
-                int4 packed;
-                packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
-                packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
-                packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
-                packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
-                epx_st16(out_row + i * 16, packed, out_align);
-            }
-        }
     }
-    if (out_weights != NULL)
-        for (int k = lane; k < K; k += 32) {
-            float sum = 0.0f;
-            for (int j = 0; j < n; j++)
-                sum += __ldcg(wsrc[j] + k);
-            out_weights[k] = sum;
-        }
 }
 
+__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0, int64_t units,
+                                                 const float (&acc)[EPX_XN_COMBINE_UNROLL][8])
+{
+    const int lane = epx_lane();
+#pragma unroll
+    for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++) {
+        int64_t i = i0 + u * 32 + lane;
+        if (i < units) {
+            int4 packed;
+            packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
+            packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
+            packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
+            packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
+            epx_st16(out + i * 16, packed, out_align);
+        }
+    }
+}
+
+/* sum += the K weights of each source, in order (lanes split K). */
+__device__ __forceinline__ void epx_xn_add_weights(const float *const *src, int n, int K,
+                                                   float *sum)
+{
+    for (int k = epx_lane(), i = 0; k < K; k += 32, i++)
+        for (int j = 0; j < n; j++)
+            sum[i] += __ldcg(src[j] + k);
+}
+
+#define EPX_XN_MAX_K_PER_LANE 8 /* top-k up to 256 */
+
+/*
+ * Reduce and finish in one kernel (the SM budget, a warp per item). Items, in order:
+ * the records this rank forwarded in the dispatch (their partial sum over this node's
+ * ranks, staged and put to the home rank with a signal), then this rank's own tokens
+ * (this node's partial sum computed in registers, the other nodes' partials waited for,
+ * all added in node order). Doing the records first means the partial sums other ranks
+ * wait for leave early.
+ */
 __global__ void __launch_bounds__(EPX_CUDA_THREADS)
-    epx_xn_reduce_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a)
+    epx_xn_combine_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a)
 {
     __shared__ const char *x_base[EPX_CUDA_MAX_RANKS];
     __shared__ int64_t x_stride[EPX_CUDA_MAX_RANKS];
     __shared__ int64_t x_rows[EPX_CUDA_MAX_RANKS];
-    __shared__ const char *src_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ const float *src_weights[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ const char *local_row[EPX_XN_WARPS][32];
+    __shared__ const float *local_weights[EPX_XN_WARPS][32];
+    __shared__ const char *remote_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ const float *remote_weights[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
@@ -132,7 +153,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         x_rows[p] = slot->ready_rows;
     }
     if (threadIdx.x == 0) {
-        int32_t total = (int32_t)a.num_tokens;
+        int32_t total = 0;
         for (int node = 0; node < N; node++) {
             first_record[node] = total;
             total += a.xn.node_in[node];
@@ -148,30 +169,29 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int64_t partial_bytes = (s.hidden * 2 + (a.has_weights ? K * 4 : 0) + 15) / 16 * 16;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
+    const int64_t records = first_record[N], items = records + a.num_tokens;
     uint64_t entered = 0; /* bit n: node n's home rank is known to have entered */
-    int node = 0;
+    uint64_t arrived = 0; /* bit n: all of node n's partial sums are known to be here */
 
-    for (int64_t step = first_warp; step < first_record[N]; step += num_warps) {
-        /* Test mode takes the items last first. */
-        const int64_t q = s.xn_test_delay_ns > 0 ? first_record[N] - 1 - step : step;
-        /* Item q: this rank's own token q, or record q - first_record[node] of `node`. */
+    for (int64_t step = first_warp; step < items; step += num_warps) {
+        /* Test mode takes the records last first. */
+        int64_t q = step;
+        if (s.xn_test_delay_ns > 0 && q < records)
+            q = records - 1 - q;
+        int is_record = q < records;
+        int node = 0;
+        int64_t j = 0;
         const int32_t *rows;
-        char *out;
-        int is_record = q >= a.num_tokens;
-        int64_t j = q;
         if (is_record) {
-            node = 0; /* items may come in any order (test mode) */
             while (q >= first_record[node + 1])
                 node++;
             j = q - first_record[node];
             rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
-            out = own + s.off_xn_partial_out + ((int64_t)node * s.max_tokens + j) *
-                                                   s.xn_partial_pitch;
         } else {
-            rows = a.send_row + q * R + first_local;
-            out = own + s.off_xn_partial_in + ((int64_t)my_node * s.max_tokens + q) *
-                                                  s.xn_partial_pitch;
+            j = q - records; /* the token */
+            rows = a.send_row + j * R + first_local;
         }
+        /* This node's rows of the item, in rank order. */
         int32_t row = lane < P ? rows[lane] : -1;
         if (row >= 0 && row >= x_rows[lane]) {
             epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY,
@@ -181,121 +201,122 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
         if (row >= 0) {
             int pos = __popc(ballot & lanes_below);
-            src_row[warp][pos] = x_base[lane] + (int64_t)row * x_stride[lane];
-            src_weights[warp][pos] =
+            local_row[warp][pos] = x_base[lane] + (int64_t)row * x_stride[lane];
+            local_weights[warp][pos] =
                 reinterpret_cast<const float *>(epx_peer(s, first_local + lane) +
                                                 s.off_combine_weights) +
                 (int64_t)row * K;
         }
-        int n = __popc(ballot);
-        __syncwarp();
-        if (n == 0 && !is_record)
-            continue; /* no rank of this node received the token: no partial */
+        const int n_local = __popc(ballot);
 
-        epx_xn_sum_rows(src_row[warp], src_weights[warp], n, units, out, 16,
-                        a.has_weights ? reinterpret_cast<float *>(out + s.hidden * 2) : NULL, K,
-                        0);
-        __syncwarp();
-        if (!is_record)
+        if (is_record) {
+            __syncwarp();
+            char *out = own + s.off_xn_partial_out +
+                        ((int64_t)node * s.max_tokens + j) * s.xn_partial_pitch;
+            for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
+                float acc[EPX_XN_COMBINE_UNROLL][8] = {};
+                epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
+                epx_xn_store_acc(out, 16, i0, units, acc);
+            }
+            if (a.has_weights) {
+                float sum[EPX_XN_MAX_K_PER_LANE] = {};
+                epx_xn_add_weights(local_weights[warp], n_local, K, sum);
+                for (int k = lane, i = 0; k < K; k += 32, i++)
+                    reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
+            }
+            __syncwarp();
+            int home = epx_xn_partner(s, node);
+            if (!((entered >> node) & 1u)) {
+                int ok = 1;
+                if (lane == 0)
+                    ok = epx_wait_flag(s, &epx_slot(s, me, home)->xn_enter, seq,
+                                       EPX_CUDA_STAGE_COMBINE_ENTER, home);
+                if (!__shfl_sync(0xffffffffu, ok, 0))
+                    break;
+                entered |= 1ull << node;
+            }
+            epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)q);
+            __syncwarp();
+            char *slot = own + s.off_xn_partial_in +
+                         ((int64_t)my_node * s.max_tokens + j) * s.xn_partial_pitch;
+            nvshmemx_putmem_signal_nbi_warp(
+                slot, out, (size_t)partial_bytes,
+                epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t, xn_partials)), 1,
+                NVSHMEM_SIGNAL_ADD, home);
+            __syncwarp();
             continue;
-        int home = epx_xn_partner(s, node);
-        if (!((entered >> node) & 1u)) {
-            int ok = 1;
-            if (lane == 0)
-                ok = epx_wait_flag(s, &epx_slot(s, me, home)->xn_enter, seq,
-                                   EPX_CUDA_STAGE_COMBINE_ENTER, home);
-            if (!__shfl_sync(0xffffffffu, ok, 0))
-                break;
-            entered |= 1ull << node;
         }
-        epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)q);
+
+        /* Own token j: the other nodes' partial sums, in node order (lane = node). */
+        int before = 0, n_remote = 0, ok = 1;
+        for (int n0 = 0; n0 < N; n0 += 32) {
+            int other = n0 + lane;
+            int32_t pos = other < N && other != my_node ? a.xn.node_pos[j * N + other] : -1;
+            if (pos >= 0 && !((arrived >> other) & 1u)) {
+                int partner = epx_xn_partner(s, other);
+                uint64_t target =
+                    s.local->xn_partials_seen[other] + (uint64_t)a.xn.node_out[other];
+                if (epx_wait_flag(s, &epx_slot(s, me, partner)->xn_partials, target,
+                                  EPX_CUDA_STAGE_COMBINE_PARTIAL, partner))
+                    arrived |= 1ull << other;
+                else
+                    ok = 0;
+            }
+            unsigned has = __ballot_sync(0xffffffffu, pos >= 0);
+            if (pos >= 0) {
+                int at = n_remote + __popc(has & lanes_below);
+                const char *slot = own + s.off_xn_partial_in +
+                                   ((int64_t)other * s.max_tokens + pos) * s.xn_partial_pitch;
+                remote_row[warp][at] = slot;
+                remote_weights[warp][at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
+            }
+            before += __popc(__ballot_sync(0xffffffffu, pos >= 0 && other < my_node));
+            n_remote += __popc(has);
+        }
+        if (!__all_sync(0xffffffffu, ok))
+            break;
+        /* Every lane learns which nodes are complete (each lane waited for its own). */
+        for (int o = 16; o > 0; o >>= 1)
+            arrived |= __shfl_xor_sync(0xffffffffu, arrived, o);
         __syncwarp();
-        char *slot = own + s.off_xn_partial_in +
-                     ((int64_t)my_node * s.max_tokens + j) * s.xn_partial_pitch;
-        nvshmemx_putmem_signal_nbi_warp(
-            slot, out, (size_t)partial_bytes,
-            epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t, xn_partials)), 1,
-            NVSHMEM_SIGNAL_ADD, home);
+
+        char *out = static_cast<char *>(a.out_x) + j * a.out_stride;
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
+            float total[EPX_XN_COMBINE_UNROLL][8] = {};
+            epx_xn_accumulate(remote_row[warp], before, i0, units, 1, total);
+            if (n_local > 0) {
+                /* This node's partial, rounded to bf16 as if it had crossed the network. */
+                float acc[EPX_XN_COMBINE_UNROLL][8] = {};
+                epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
+#pragma unroll
+                for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++)
+#pragma unroll
+                    for (int e = 0; e < 8; e++)
+                        total[u][e] += epx_bf16_lo(epx_float_to_bf16(acc[u][e]));
+            }
+            epx_xn_accumulate(remote_row[warp] + before, n_remote - before, i0, units, 1, total);
+            epx_xn_store_acc(out, a.out_align, i0, units, total);
+        }
+        if (a.has_weights) {
+            float total[EPX_XN_MAX_K_PER_LANE] = {};
+            epx_xn_add_weights(remote_weights[warp], before, K, total);
+            if (n_local > 0) {
+                float part[EPX_XN_MAX_K_PER_LANE] = {};
+                epx_xn_add_weights(local_weights[warp], n_local, K, part);
+                for (int i = 0; i < EPX_XN_MAX_K_PER_LANE; i++)
+                    total[i] += part[i];
+            }
+            epx_xn_add_weights(remote_weights[warp] + before, n_remote - before, K, total);
+            for (int k = lane, i = 0; k < K; k += 32, i++)
+                a.out_weights[j * a.out_weights_stride + k] = total[i];
+        }
         __syncwarp();
     }
 
     if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
         return;
     if (threadIdx.x == 0)
-        nvshmem_quiet();
-}
-
-__global__ void __launch_bounds__(EPX_CUDA_THREADS)
-    epx_xn_finish_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a)
-{
-    __shared__ const char *src_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ const float *src_weights[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int last;
-
-    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, K = s.num_topk;
-    const int me = s.rank, my_node = epx_xn_node(s, me), first_local = my_node * P;
-    const uint64_t seq = epx_op_seq(s);
-    if (epx_failed(s))
-        return;
-
-    char *own = epx_xn_own(s);
-    const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    const int64_t units = s.hidden * 2 / 16;
-    const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
-    const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
-    uint64_t arrived = 0; /* bit n: all of node n's partial sums are known to be here */
-    int ok = 1;
-
-    for (int64_t t = first_warp; ok && t < a.num_tokens; t += num_warps) {
-        /* The partial sums of t, in node order: this node's if any rank here got t. */
-        int here = 0;
-        for (int p = lane; p < P; p += 32)
-            here |= a.send_row[t * R + first_local + p] >= 0;
-        here = __any_sync(0xffffffffu, here);
-        int n = 0;
-        for (int n0 = 0; n0 < N; n0 += 32) {
-            int node = n0 + lane;
-            int32_t pos = -1;
-            if (node == my_node)
-                pos = here ? (int32_t)t : -1;
-            else if (node < N)
-                pos = a.xn.node_pos[t * N + node];
-            if (pos >= 0 && node != my_node && !((arrived >> node) & 1u)) {
-                int partner = epx_xn_partner(s, node);
-                uint64_t target =
-                    s.local->xn_partials_seen[node] + (uint64_t)a.xn.node_out[node];
-                if (!epx_wait_flag(s, &epx_slot(s, me, partner)->xn_partials, target,
-                                   EPX_CUDA_STAGE_COMBINE_PARTIAL, partner))
-                    ok = 0;
-            }
-            unsigned ballot = __ballot_sync(0xffffffffu, pos >= 0);
-            if (pos >= 0) {
-                int at = n + __popc(ballot & lanes_below);
-                const char *slot = own + s.off_xn_partial_in +
-                                   ((int64_t)node * s.max_tokens + pos) * s.xn_partial_pitch;
-                src_row[warp][at] = slot;
-                src_weights[warp][at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
-            }
-            n += __popc(ballot);
-            if (node < N && node != my_node && pos >= 0)
-                arrived |= 1ull << node;
-        }
-        ok = __all_sync(0xffffffffu, ok);
-        /* Every lane learns which nodes are known complete (lanes waited for theirs). */
-        for (int o = 16; o > 0; o >>= 1)
-            arrived |= __shfl_xor_sync(0xffffffffu, arrived, o);
-        __syncwarp();
-        if (!ok)
-            break;
-        epx_xn_sum_rows(src_row[warp], src_weights[warp], n, units,
-                        static_cast<char *>(a.out_x) + t * a.out_stride, a.out_align,
-                        a.has_weights ? a.out_weights + t * a.out_weights_stride : NULL, K, 1);
-        __syncwarp();
-    }
-
-    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_PARTIAL], &last))
-        return;
+        nvshmem_quiet(); /* the staged partial sums may be reused after this */
     if (!epx_failed(s))
         for (int i = threadIdx.x; i < N; i += blockDim.x)
             s.local->xn_partials_seen[i] += (uint64_t)a.xn.node_out[i];
@@ -312,9 +333,6 @@ extern "C" int epx_xn_launch_combine(const epx__cuda_shape_t *shape,
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         return (int)err;
-    epx_xn_reduce_kernel<<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
-    if ((err = cudaGetLastError()) != cudaSuccess)
-        return (int)err;
-    epx_xn_finish_kernel<<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
+    epx_xn_combine_kernel<<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
     return (int)cudaGetLastError();
 }

@@ -1,5 +1,5 @@
 /*
- * Internode dispatch: the count exchange, the send, and the forward (three kernels on
+ * Internode dispatch: the count exchange, then the send and the forward (two kernels on
  * the caller's stream). N nodes of P ranks; a rank's partner on node n is the rank there
  * with the same local index.
  *
@@ -20,10 +20,10 @@
  *    record with an NVSHMEM put-with-signal that adds one to a counter at the partner
  *    (data and arrival in one operation; no quiet per warp, one quiet at the end so the
  *    staging can be reused).
- * 3. Forward (the SM budget, a warp per record): waits until a node's counter has all
- *    its records, then stores each record's row to the ranks of this node that receive
- *    it; the last block raises this rank's data flag at every rank of its node and waits
- *    for theirs, which ends the dispatch.
+ * 3. Forward (the same kernel: each warp turns to records when no token is left): waits
+ *    until a node's counter has all its records, then stores each record's row to the
+ *    ranks of this node that receive it; the last block raises this rank's data flag at
+ *    every rank of its node and waits for theirs, which ends the dispatch.
  * Buffer use: records go to [N][T] slots (T = max_tokens_per_rank), so the memory is
  * sized for the worst case and no credits flow back; a sender writes a partner's slots
  * only after the partner's count message for this operation arrived, i.e. after the
@@ -161,11 +161,11 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     }
 }
 
-/* ---------------------------------------------------------------- send */
+/* ---------------------------------------------------------------- send and forward */
 
 template <int kUnroll>
 __global__ void __launch_bounds__(EPX_CUDA_THREADS)
-    epx_xn_send_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a)
+    epx_xn_dispatch_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a)
 {
     __shared__ char *peers[EPX_CUDA_MAX_RANKS];
     __shared__ int32_t bases[EPX_CUDA_MAX_RANKS];
@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ char *dest_x[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int32_t dest_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
+    __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
     const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, L = s.num_local_experts;
@@ -183,6 +184,14 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         peers[r] = epx_peer(s, r);
         bases[r] = s.local->base[r];
+    }
+    if (threadIdx.x == 0) {
+        int32_t total = 0;
+        for (int node = 0; node < N; node++) {
+            first_record[node] = total;
+            total += a.xn.node_in[node];
+        }
+        first_record[N] = total;
     }
     __syncthreads();
 
@@ -299,51 +308,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         __syncwarp();
     }
 
-    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
-        return;
-    /* Every record of this rank is on its way; the staging may be reused after this. */
-    if (threadIdx.x == 0)
-        nvshmem_quiet();
-}
-
-/* ---------------------------------------------------------------- forward */
-
-template <int kUnroll>
-__global__ void __launch_bounds__(EPX_CUDA_THREADS)
-    epx_xn_forward_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a)
-{
-    __shared__ char *peers[EPX_CUDA_MAX_RANKS];
-    __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
-    __shared__ char *dest_x[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int32_t dest[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int32_t dest_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int last;
-
-    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, L = s.num_local_experts;
-    const int K = s.num_topk, me = s.rank, my_node = epx_xn_node(s, me);
-    const int first_local = my_node * P;
+    /* Forward: the records of other nodes' partners, once each node's have all arrived. */
     const uint64_t seq = epx_op_seq(s);
-    if (epx_failed(s))
-        return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x)
-        peers[r] = epx_peer(s, r);
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
-    __syncthreads();
-
-    char *own = epx_xn_own(s);
-    const epx__cuda_xn_record_t rec = epx__cuda_xn_record(a.row_bytes, a.num_scales, K, P);
-    const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    const int64_t units = a.row_bytes / 16;
-    const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
-    const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
     int ready_node = -1; /* the node whose records this warp knows have all arrived */
     int node = 0;
 
@@ -406,8 +372,11 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         __syncwarp();
     }
 
-    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_FORWARD], &last))
+    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
         return;
+    /* Every record of this rank is on its way; the staging may be reused after this. */
+    if (threadIdx.x == 0)
+        nvshmem_quiet();
     if (!epx_failed(s))
         for (int i = threadIdx.x; i < N; i += blockDim.x)
             s.local->xn_records_seen[i] += (uint64_t)a.xn.node_in[i];
@@ -430,10 +399,6 @@ extern "C" int epx_xn_launch_dispatch(const epx__cuda_shape_t *shape,
                                       const epx__cuda_dispatch_args_t *args, void *stream)
 {
     cudaStream_t st = (cudaStream_t)stream;
-    epx_xn_send_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess)
-        return (int)err;
-    epx_xn_forward_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
+    epx_xn_dispatch_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
     return (int)cudaGetLastError();
 }
