@@ -116,7 +116,7 @@ void epx__bench_nodes_print_header(FILE *out, const epx__bench_nodes_shape_t *sh
         fprintf(out,
                 "# traffic across nodes, expected from the routing: a token crosses the "
                 "network once per destination node other than\n"
-                "#   its home node (one record to the rank of the same local rank there, "
+                "#   its home node (one record to the rank at the sender's position there, "
                 "counted as 1 network message); combine\n"
                 "#   sends one bf16 partial row per record back. net = records x (payload + "
                 "overhead); local = rows delivered inside\n"

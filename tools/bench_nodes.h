@@ -4,9 +4,10 @@
  * device measures. docs/INTERNODE.md describes the figures.
  *
  * The model (the design of internode normal mode): a token crosses the network once per
- * destination node other than its home node, as one record to the rank of the same local
- * rank there (the forwarder), which delivers the row to the ranks of its node that need
- * it; rows for ranks of the home node go straight to them. Combine reverses it: each node
+ * destination node other than its home node, as one record to the rank at the home
+ * rank's position there (rank node * P + home % P, the forwarder), which delivers the
+ * row to the ranks of its node that need it; rows for ranks of the home node go straight
+ * to them. Combine reverses it: each node
  * reduces its rows to one bf16 partial, which crosses the network once. One network
  * message per record (the batching of records into puts is not known here).
  */
