@@ -212,37 +212,34 @@ static int run_child(int argc, char **argv, const char *variant)
 
 /* ---------------------------------------------------------------- parent */
 
-/* Names of /dev/shm entries starting with "epx-", one string with '\n' after each. */
-static void list_segments(char *names, size_t size)
+/* Every rank this program started (both variants): their segments must be gone. */
+static pid_t started[2 * NUM_RANKS];
+static int num_started;
+
+/*
+ * Names of the /dev/shm segments that ranks started here created and left ("epx-PID-..."
+ * with PID one of theirs; other tests running at the same time have their own), one
+ * string with '\n' after each. Returns how many.
+ */
+static int leftover_segments(char *names, size_t size)
 {
     size_t used = 0;
+    int count = 0;
     names[0] = '\0';
     DIR *dir = opendir("/dev/shm");
     if (dir == NULL)
-        return;
+        return 0;
     for (struct dirent *entry = readdir(dir); entry != NULL; entry = readdir(dir))
-        if (strncmp(entry->d_name, "epx-", 4) == 0 && used + strlen(entry->d_name) + 2 < size)
-            used += (size_t)snprintf(names + used, size - used, "%s\n", entry->d_name);
-    closedir(dir);
-}
-
-/* Segments in `now` that were not in `before`. Returns how many, listed into `out`. */
-static int new_segments(const char *before, const char *now, char *out, size_t size)
-{
-    int count = 0;
-    size_t used = 0;
-    out[0] = '\0';
-    for (const char *line = now; *line != '\0';) {
-        const char *end = strchr(line, '\n');
-        char name[300];
-        snprintf(name, sizeof name, "%.*s\n", (int)(end - line), line);
-        if (strstr(before, name) == NULL) {
+        for (int i = 0; i < num_started; i++) {
+            char prefix[48];
+            snprintf(prefix, sizeof prefix, "epx-%ld-", (long)started[i]);
+            if (strncmp(entry->d_name, prefix, strlen(prefix)) != 0)
+                continue;
             count++;
-            if (used + strlen(name) < size)
-                used += (size_t)snprintf(out + used, size - used, "%s", name);
+            if (used + strlen(entry->d_name) + 2 < size)
+                used += (size_t)snprintf(names + used, size - used, "%s\n", entry->d_name);
         }
-        line = end + 1;
-    }
+    closedir(dir);
     return count;
 }
 
@@ -262,6 +259,8 @@ static int run_variant(const char *variant, const char *backend, int per_node)
         pids[r] = fork();
         if (pids[r] < 0)
             TEST_FAIL("fork: %s", strerror(errno));
+        if (pids[r] > 0)
+            started[num_started++] = pids[r];
         if (pids[r] == 0) {
             char rank_text[16], world_text[16], timeout_text[16], per_node_text[16];
             snprintf(rank_text, sizeof rank_text, "%d", r);
@@ -340,20 +339,17 @@ int main(int argc, char **argv)
         strcmp(variant, "sleep") != 0)
         TEST_FAIL("--variant %s: expected kill, sleep or all", variant);
 
-    static char before[1 << 16], after[1 << 16], leaked[1 << 16];
-    list_segments(before, sizeof before);
+    static char leaked[1 << 16];
     int failures = 0;
     if (strcmp(variant, "all") == 0 || strcmp(variant, "kill") == 0)
         failures += run_variant("kill", backend, per_node);
     if (strcmp(variant, "all") == 0 || strcmp(variant, "sleep") == 0)
         failures += run_variant("sleep", backend, per_node);
 
-    /* Another test running at the same time may hold segments for a moment; a leak stays. */
-    list_segments(after, sizeof after);
-    if (new_segments(before, after, leaked, sizeof leaked) > 0) {
+    /* A segment may take a moment to go after its rank exits; a leak stays. */
+    if (leftover_segments(leaked, sizeof leaked) > 0) {
         sleep(2);
-        list_segments(after, sizeof after);
-        if (new_segments(before, after, leaked, sizeof leaked) > 0) {
+        if (leftover_segments(leaked, sizeof leaked) > 0) {
             fprintf(stderr, "FAIL: segments left in /dev/shm:\n%s", leaked);
             failures++;
         }
