@@ -334,7 +334,10 @@ epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx
 
 /*
  * Collective. out_x[t] = sum over the ranks r that received token t of x_r[row of t]
- * (fp32 accumulation, bf16 out); tokens sent nowhere get zeros.
+ * (fp32 accumulation in rank order, bf16 out); tokens sent nowhere get zeros. When the
+ * group spans nodes (ranks_per_node below the world size) the rows are summed inside
+ * each node first, each node's sum is rounded to bf16, and those are summed in node
+ * order (docs/INTERNODE.md); out_topk_weights likewise, without the rounding.
  */
 epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
 

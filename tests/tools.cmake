@@ -4,7 +4,7 @@ set(EPX_TOOLS_TEST_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/tools/tools_test.sh)
 set(EPX_TOOLS_TEST_CASES
     launch_env launch_output launch_failure launch_exec_failure launch_timeout
     launch_forward_signal launch_bad_flag launch_mps params_list params_bad_value version
-    bench_bad_flag bench_check bench_json bench_ll_check bench_ll_json)
+    bench_bad_flag bench_check bench_json bench_nodes bench_ll_check bench_ll_json)
 foreach(case ${EPX_TOOLS_TEST_CASES})
   add_test(NAME tools.${case} COMMAND sh ${EPX_TOOLS_TEST_SCRIPT} $<TARGET_FILE:epx_tool> ${case})
   set_tests_properties(tools.${case} PROPERTIES TIMEOUT 120)
@@ -17,3 +17,11 @@ target_include_directories(test_bench_helpers PRIVATE ${CMAKE_SOURCE_DIR}/tools)
 target_link_libraries(test_bench_helpers PRIVATE epx_internal epx_test_common m)
 add_test(NAME tools.bench_helpers COMMAND test_bench_helpers)
 set_tests_properties(tools.bench_helpers PROPERTIES TIMEOUT 60)
+
+# The expected traffic across nodes of `epx bench --ranks-per-node`, on a hand-made routing.
+add_executable(test_bench_nodes ${CMAKE_CURRENT_LIST_DIR}/tools/test_bench_nodes.c
+               ${CMAKE_SOURCE_DIR}/tools/bench_nodes.c ${CMAKE_SOURCE_DIR}/tools/bench_report.c)
+target_include_directories(test_bench_nodes PRIVATE ${CMAKE_SOURCE_DIR}/tools)
+target_link_libraries(test_bench_nodes PRIVATE epx_internal epx_test_common m)
+add_test(NAME tools.bench_nodes_counts COMMAND test_bench_nodes)
+set_tests_properties(tools.bench_nodes_counts PROPERTIES TIMEOUT 60)

@@ -17,6 +17,7 @@
 
 #include "args.h"
 #include "bench.h"
+#include "bench_nodes.h"
 #include "commands.h"
 #include "core/core.h"
 #include "launch.h"
@@ -60,6 +61,11 @@ static const char bench_usage[] =
     "  -n N              launch N ranks (when not already inside epx launch)\n"
     "  --timeout S       limit for the launch that -n starts (600 s; 0 = none)\n"
     "  --mps             with -n: run the ranks under a CUDA MPS daemon (epx launch --mps)\n"
+    "  --ranks-per-node K  normal mode: virtual nodes of K ranks (with -n: the launch's\n"
+    "                    --ranks-per-node; in a launch, EPX_RANKS_PER_NODE must say K);\n"
+    "                    prints the expected traffic across nodes: network bytes per rank\n"
+    "                    and per token (payload and record overhead), network messages per\n"
+    "                    token, bytes moved inside nodes (docs/INTERNODE.md)\n"
     "  -h, --help        this text\n";
 
 void epx__bench_must(int rank, epx_status_t status, const char *what)
@@ -103,6 +109,16 @@ static int apply_mode_defaults(epx__bench_options_t *o)
     if (o->round_scale && !o->run_fp8) {
         fprintf(stderr, "epx bench: --round-scale and --ue8m0 apply to fp8 dispatch, which "
                         "--dtype bf16 leaves out\n");
+        return 2;
+    }
+    if (o->ranks_per_node > 0 && ll) {
+        fprintf(stderr, "epx bench: --ranks-per-node is for normal mode (the low-latency "
+                        "bench takes EPX_RANKS_PER_NODE from the launch)\n");
+        return 2;
+    }
+    if (o->ranks_per_node > 0 && o->num_ranks > 0 && o->num_ranks % o->ranks_per_node != 0) {
+        fprintf(stderr, "epx bench: --ranks-per-node %d does not divide -n %d\n",
+                o->ranks_per_node, o->num_ranks);
         return 2;
     }
     if (o->ll_dtype != EPX_DTYPE_INVALID && !ll) {
@@ -176,6 +192,7 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
             {"--alignment", 1, 1 << 20, NULL, &o->alignment},
             {"--sms", 0, 1024, NULL, &o->sms},
             {"-n", 1, 1 << 20, NULL, &o->num_ranks},
+            {"--ranks-per-node", 1, 1 << 20, NULL, &o->ranks_per_node},
         };
         int handled = 0;
         for (size_t f = 0; f < sizeof(int_flags) / sizeof(int_flags[0]) && !handled; f++) {
@@ -276,6 +293,7 @@ static int relaunch(int argc, char **argv, const epx__bench_options_t *o, const 
     launch.num_ranks = o->num_ranks;
     launch.timeout_s = o->timeout_s;
     launch.use_mps = o->use_mps;
+    launch.ranks_per_node = o->ranks_per_node;
     /* Only rank 0 writes to stdout; unprefixed, the table and JSON lines stay as they
      * are (errors on stderr keep their rank prefix). */
     launch.prefix_stdout = 0;
@@ -304,13 +322,17 @@ static void choose_floor(const epx__bench_options_t *o, const epx_group_info_t *
     }
 }
 
-/* Every normal-mode case asked for; rank 0 prints. Returns 1 when a check failed. */
+/*
+ * Every normal-mode case asked for; rank 0 prints, with the expected traffic across
+ * nodes after each dtype's rows when `nodes` says so. Returns 1 when a check failed.
+ */
 static int run_normal(epx_group_t group, const epx__bench_options_t *o,
-                      epx__bench_device_t *device, const epx__bench_context_t *context, int rank)
+                      epx__bench_device_t *device, const epx__bench_context_t *context, int rank,
+                      int nodes)
 {
     if (rank == 0 && !o->json)
         epx__bench_print_header(stdout, context);
-    int failed = 0;
+    int failed = 0, explained = 0;
     const epx_dtype_t dtypes[] = {EPX_DTYPE_BF16, EPX_DTYPE_FP8_E4M3};
     for (int d = 0; d < 2; d++) {
         if ((d == 0 && !o->run_bf16) || (d == 1 && !o->run_fp8))
@@ -321,6 +343,11 @@ static int run_normal(epx_group_t group, const epx__bench_options_t *o,
         if (rank == 0) {
             for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
                 epx__bench_print_row(stdout, context, &rows[op], o->json);
+        }
+        if (nodes) {
+            epx__bench_nodes_report(group, o->tokens, o->hidden, o->experts, o->topk, o->seed,
+                                    dtypes[d], o->json, !explained);
+            explained = 1;
         }
     }
     return failed;
@@ -334,6 +361,17 @@ static int run(const epx__bench_options_t *o)
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     int cuda = info.backend == EPX_BACKEND_CUDA;
     int ll = o->mode == EPX__BENCH_MODE_LL;
+    if (o->ranks_per_node > 0 && info.ranks_per_node != o->ranks_per_node) {
+        if (info.rank == 0)
+            fprintf(stderr, "epx bench: --ranks-per-node %d, but the group has %d ranks per "
+                            "node: launch with `epx launch --ranks-per-node %d` (or "
+                            "EPX_RANKS_PER_NODE=%d), or give -n to the bench\n",
+                    o->ranks_per_node, info.ranks_per_node, o->ranks_per_node,
+                    o->ranks_per_node);
+        epx_group_destroy(group);
+        return 2;
+    }
+    int nodes = o->ranks_per_node > 0 || info.ranks_per_node < info.world_size;
     /* Low-latency ops take microseconds (milliseconds on the host), so more runs. */
     int warmup = o->warmup >= 0 ? o->warmup : ll ? (cuda ? 10 : 2) : (cuda ? 5 : 1);
     int iters = o->iters >= 0 ? o->iters : ll ? (cuda ? 100 : 20) : (cuda ? 30 : 3);
@@ -358,7 +396,7 @@ static int run(const epx__bench_options_t *o)
     choose_floor(o, &info, &context);
 
     int failed = ll ? epx__bench_ll_run(group, o, &device, &context)
-                    : run_normal(group, o, &device, &context, info.rank);
+                    : run_normal(group, o, &device, &context, info.rank, nodes);
     epx__bench_device_fini(&device);
     epx__bench_must(info.rank, epx_group_destroy(group), "epx_group_destroy");
     if (failed && info.rank == 0)
@@ -374,7 +412,7 @@ int epx__command_bench(int argc, char **argv)
         .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .seed = 1,
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
-        .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID,
+        .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID, .ranks_per_node = 0,
     };
     char *launch_only = calloc((size_t)argc + 1, 1);
     if (launch_only == NULL) {

@@ -43,6 +43,10 @@ typedef struct {
     /* ll: the buffer's config.low_latency_dtype, BF16 or FP8_E4M3; INVALID (not given) =
      * FP8_E4M3 when the run dispatches fp8 only, else BF16. */
     epx_dtype_t ll_dtype;
+    /* normal: the group's ranks per node (EPX_RANKS_PER_NODE of the launch); 0 = not
+     * given. Given, or when the group spans nodes, the expected traffic across nodes is
+     * printed too (bench_nodes.h). */
+    int ranks_per_node;
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */

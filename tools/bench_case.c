@@ -306,7 +306,7 @@ static int check_combine(bench_case_t *bc, const char *what)
     epx_tensor_t out = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
     uint16_t *got = copy_out(bc, &out, bc->moe.num_tokens, bc->moe.hidden);
     int ok = epx__bench_compare_bf16(bc->label, what, got, expected, bc->moe.num_tokens,
-                                     bc->moe.hidden, 1);
+                                     bc->moe.hidden, 0);
     free(got);
     free(expected);
     return ok;
@@ -477,7 +477,7 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     bc.world_size = info.world_size;
     moe_case_t moe = {info.world_size, options->tokens, options->hidden, options->experts,
                       options->topk, dtype, options->alignment, options->seed,
-                      MOE_ROUTING_RANDOM, 0.0, -1};
+                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node};
     bc.moe = moe;
     bc.scale_cols = options->hidden / 128;
     snprintf(bc.label, sizeof(bc.label), "rank %d %s", bc.rank,

@@ -104,6 +104,11 @@ static int64_t tokens_of_rank(const moe_case_t *c, int rank)
     return rank == c->empty_rank ? 0 : c->num_tokens;
 }
 
+int64_t moe_tokens_of_rank(const moe_case_t *c, int rank)
+{
+    return tokens_of_rank(c, rank);
+}
+
 static int64_t scales_per_row(const moe_case_t *c)
 {
     return c->hidden / 128;
@@ -208,7 +213,14 @@ static int case_is_valid(const moe_case_t *c)
 {
     return c->world_size >= 1 && c->num_tokens >= 0 && c->hidden >= 1 &&
            c->num_experts >= 1 && c->num_experts % c->world_size == 0 && c->num_topk >= 1 &&
-           c->num_topk <= c->num_experts;
+           c->num_topk <= c->num_experts && c->ranks_per_node >= 0 &&
+           (c->ranks_per_node == 0 || c->world_size % c->ranks_per_node == 0);
+}
+
+/* Ranks per node: the whole world when the case says 0 (one node). */
+static int node_size(const moe_case_t *c)
+{
+    return c->ranks_per_node > 0 ? c->ranks_per_node : c->world_size;
 }
 
 /* calloc that never returns NULL for a zero count, so an empty tensor is still "given". */
@@ -254,6 +266,20 @@ void moe_inputs_free(moe_inputs_t *in)
     free(in->topk_idx);
     free(in->topk_weights);
     memset(in, 0, sizeof *in);
+}
+
+int64_t moe_routing_make(const moe_case_t *c, int rank, int64_t *topk_idx)
+{
+    if (!case_is_valid(c) || rank < 0 || rank >= c->world_size)
+        return -1;
+    float *weights = alloc_zeroed(c->num_topk, sizeof(float));
+    if (weights == NULL)
+        return -1;
+    int64_t n = tokens_of_rank(c, rank);
+    for (int64_t t = 0; t < n; t++)
+        make_routing_row(c, rank, t, topk_idx + t * c->num_topk, weights);
+    free(weights);
+    return n;
 }
 
 /* ---------------------------------------------------------------- dispatch oracle */
@@ -397,6 +423,39 @@ void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t s
         row[i] = moe_float_to_bf16(random_symmetric4(random_bits16_in_row(key, i)));
 }
 
+/*
+ * One token's output row: the rows of its receivers summed node by node (the formula
+ * in moe_case.h). `partial` and `total` are [hidden] scratch.
+ */
+static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_t *idx,
+                          float *partial, float *total, uint16_t *row, uint16_t *out)
+{
+    int64_t hidden = c->hidden;
+    int per_node = node_size(c);
+    for (int64_t i = 0; i < hidden; i++)
+        total[i] = 0.0f;
+    for (int node = 0; node < c->world_size / per_node; node++) {
+        int received = 0;
+        for (int64_t i = 0; i < hidden; i++)
+            partial[i] = 0.0f;
+        for (int r = node * per_node; r < (node + 1) * per_node; r++) {
+            if (!token_goes_to(c, idx, r))
+                continue;
+            received = 1;
+            moe_combine_row(c, r, rank, t, row);
+            for (int64_t i = 0; i < hidden; i++)
+                partial[i] += moe_bf16_to_float(row[i]);
+        }
+        /* The node's partial crosses the network as bf16. */
+        if (received)
+            for (int64_t i = 0; i < hidden; i++)
+                total[i] += moe_bf16_to_float(moe_float_to_bf16(partial[i]));
+    }
+    /* A token sent nowhere sums to +0, whose bf16 bits are 0. */
+    for (int64_t i = 0; i < hidden; i++)
+        out[i] = moe_float_to_bf16(total[i]);
+}
+
 int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x)
 {
     *out_x = NULL;
@@ -405,38 +464,26 @@ int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x)
     int64_t n = tokens_of_rank(c, rank);
     int64_t hidden = c->hidden;
     uint16_t *out = alloc_zeroed(n * hidden, sizeof(uint16_t));
-    float *sum = alloc_zeroed(hidden, sizeof(float));
+    float *partial = alloc_zeroed(hidden, sizeof(float));
+    float *total = alloc_zeroed(hidden, sizeof(float));
     uint16_t *row = alloc_zeroed(hidden, sizeof(uint16_t));
     int64_t *idx = alloc_zeroed(c->num_topk, sizeof(int64_t));
     float *weights = alloc_zeroed(c->num_topk, sizeof(float));
-    if (out == NULL || sum == NULL || row == NULL || idx == NULL || weights == NULL) {
-        free(out);
-        free(sum);
-        free(row);
-        free(idx);
-        free(weights);
-        return -1;
-    }
-
-    for (int64_t t = 0; t < n; t++) {
+    int ok = out != NULL && partial != NULL && total != NULL && row != NULL && idx != NULL &&
+             weights != NULL;
+    for (int64_t t = 0; ok && t < n; t++) {
         make_routing_row(c, rank, t, idx, weights);
-        memset(sum, 0, (size_t)hidden * sizeof(float));
-        for (int r = 0; r < c->world_size; r++) {
-            if (!token_goes_to(c, idx, r))
-                continue;
-            moe_combine_row(c, r, rank, t, row);
-            for (int64_t i = 0; i < hidden; i++)
-                sum[i] += moe_bf16_to_float(row[i]);
-        }
-        /* A token sent nowhere sums to +0, whose bf16 bits are 0. */
-        for (int64_t i = 0; i < hidden; i++)
-            out[t * hidden + i] = moe_float_to_bf16(sum[i]);
+        combine_token(c, rank, t, idx, partial, total, row, out + t * hidden);
     }
-
-    free(sum);
+    free(partial);
+    free(total);
     free(row);
     free(idx);
     free(weights);
+    if (!ok) {
+        free(out);
+        return -1;
+    }
     *out_x = out;
     return 0;
 }

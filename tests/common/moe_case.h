@@ -29,6 +29,8 @@ typedef struct {
     moe_routing_t routing;
     double drop_fraction;    /* fraction of top-k entries set to -1 */
     int empty_rank;          /* this rank passes 0 tokens; -1 = none */
+    int ranks_per_node;      /* node size for combine's summation order (rank r is on
+                                node r / ranks_per_node); 0 = all ranks on one node */
 } moe_case_t;
 
 /* One rank's inputs, host memory. x is bf16 (uint16 bits) or fp8 bytes. */
@@ -69,8 +71,21 @@ void moe_expected_free(moe_expected_t *e);
  */
 void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t src_token,
                      uint16_t *row);
-/* Expected combine output for rank `rank`: [num_tokens, hidden] bf16 bits, fp32 sums. */
+/*
+ * Expected combine output for rank `rank`: [num_tokens, hidden] bf16 bits. For each
+ * element of token t, with the ranks that received t grouped by node:
+ *   partial_B = fp32 sum, in rank order from 0.0f, of the rows of node B's receivers
+ *   out       = bf16( fp32 sum, in node order from 0.0f, of float(bf16(partial_B)) )
+ * over the nodes B that received t. With one node this is bf16 of the flat fp32 sum in
+ * rank order (bf16 of an exact bf16 is itself).
+ */
 int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x);
+
+/* Top-k expert ids of rank `rank`'s tokens, [num_tokens, num_topk] (what
+ * moe_inputs_make gives, without the rows). Returns the token count, -1 on a bad case. */
+int64_t moe_routing_make(const moe_case_t *c, int rank, int64_t *topk_idx);
+/* Tokens rank `rank` passes (0 for the case's empty rank). */
+int64_t moe_tokens_of_rank(const moe_case_t *c, int rank);
 
 /* bf16 <-> fp32 (round to nearest even). */
 float moe_bf16_to_float(uint16_t bits);

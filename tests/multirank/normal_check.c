@@ -207,7 +207,7 @@ void nt_check_bf16_rows(const nt_ctx_t *ctx, const char *step, const uint16_t *g
                         const uint16_t *want, int64_t rows, int64_t hidden)
 {
     for (int64_t i = 0; i < rows * hidden; i++)
-        if (mr_bf16_ulps(got[i], want[i]) > 1)
+        if (mr_bf16_ulps(got[i], want[i]) != 0)
             nt_fail(ctx, step, "out_x[%lld][%lld] is %g (0x%04x), expected %g (0x%04x)",
                     (long long)(i / hidden), (long long)(i % hidden),
                     moe_bf16_to_float(got[i]), got[i], moe_bf16_to_float(want[i]), want[i]);

@@ -52,7 +52,10 @@ void nt_recv_free(nt_recv_t *recv);
 void nt_check_recv(const nt_ctx_t *ctx, const char *step, const nt_recv_t *got, int want_idx,
                    int want_weights);
 
-/* Combine output rows against `want` (bf16 bits), at most one bf16 ulp apart. */
+/*
+ * Combine output rows against `want` (bf16 bits), exactly: the backends sum in the
+ * oracle's order (+0 and -0 count as equal).
+ */
 void nt_check_bf16_rows(const nt_ctx_t *ctx, const char *step, const uint16_t *got,
                         const uint16_t *want, int64_t rows, int64_t hidden);
 

@@ -2,6 +2,7 @@
  * A rank that dies or stops answering: the others get an error naming it, not a hang.
  *
  *   test_killed_rank [--variant kill|sleep|all] [--backend host|cuda|auto]
+ *                    [--ranks-per-node P]
  *
  * The program is its own launcher: it starts 4 ranks (fork + exec of itself with
  * --child, so each rank reads its environment fresh, as under `epx launch`) and watches
@@ -11,7 +12,10 @@
  *   sleep: rank 3 stays alive but does not call dispatch; the others must get
  *          EPX_ERR_TIMEOUT naming rank 3 within about twice the timeout.
  * The survivors then destroy their objects and exit 0; the parent checks every exit
- * status and that no /dev/shm/epx-* segment is left behind.
+ * status and that no /dev/shm/epx-* segment is left behind. With --ranks-per-node 2 the
+ * ranks form two virtual nodes {0, 1} and {2, 3} (EPX_RANKS_PER_NODE): the killed and
+ * the silent rank are in the node of the other's survivors, so ranks 0 and 1 learn of a
+ * failure in another node.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -83,7 +87,7 @@ static void good_round(epx_buffer_t buffer, const moe_case_t *c, int rank)
     CHECK_OK(epx_combine(buffer, &cargs, NULL));
     mr_mem_to_host(got, out_x, (size_t)(n * h) * 2);
     for (int64_t i = 0; i < n * h; i++)
-        if (mr_bf16_ulps(got[i], want[i]) > 1)
+        if (mr_bf16_ulps(got[i], want[i]) != 0)
             TEST_FAIL("rank %d: good round combine out_x[%lld] is 0x%04x, expected 0x%04x", rank,
                       (long long)i, got[i], want[i]);
 
@@ -142,8 +146,10 @@ static int run_child(int argc, char **argv, const char *variant)
     epx_group_t group = mr_group_create(argc, argv, &info);
     int rank = info.rank;
     moe_case_t c = {NUM_RANKS, 48, 256, 4 * NUM_RANKS, 4, EPX_DTYPE_BF16, 1, 77,
-                    MOE_ROUTING_RANDOM, 0.0, -1};
+                    MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node};
     CHECK_EQ_INT(info.world_size, NUM_RANKS);
+    int per_node = atoi(mr_flag(argc, argv, "--ranks-per-node", "0"));
+    CHECK_EQ_INT(info.ranks_per_node, per_node > 0 ? per_node : NUM_RANKS);
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = c.num_tokens;
     config.hidden = c.hidden;
@@ -206,42 +212,42 @@ static int run_child(int argc, char **argv, const char *variant)
 
 /* ---------------------------------------------------------------- parent */
 
-/* Names of /dev/shm entries starting with "epx-", one string with '\n' after each. */
-static void list_segments(char *names, size_t size)
+/* Every rank this program started (both variants): their segments must be gone. */
+static pid_t started[2 * NUM_RANKS];
+static int num_started;
+
+/*
+ * Names of the /dev/shm segments that ranks started here created and left ("epx-PID-..."
+ * with PID one of theirs; other tests running at the same time have their own), one
+ * string with '\n' after each. Returns how many.
+ */
+static int leftover_segments(char *names, size_t size)
 {
     size_t used = 0;
+    int count = 0;
     names[0] = '\0';
     DIR *dir = opendir("/dev/shm");
     if (dir == NULL)
-        return;
+        return 0;
     for (struct dirent *entry = readdir(dir); entry != NULL; entry = readdir(dir))
-        if (strncmp(entry->d_name, "epx-", 4) == 0 && used + strlen(entry->d_name) + 2 < size)
-            used += (size_t)snprintf(names + used, size - used, "%s\n", entry->d_name);
-    closedir(dir);
-}
-
-/* Segments in `now` that were not in `before`. Returns how many, listed into `out`. */
-static int new_segments(const char *before, const char *now, char *out, size_t size)
-{
-    int count = 0;
-    size_t used = 0;
-    out[0] = '\0';
-    for (const char *line = now; *line != '\0';) {
-        const char *end = strchr(line, '\n');
-        char name[300];
-        snprintf(name, sizeof name, "%.*s\n", (int)(end - line), line);
-        if (strstr(before, name) == NULL) {
+        for (int i = 0; i < num_started; i++) {
+            char prefix[48];
+            snprintf(prefix, sizeof prefix, "epx-%ld-", (long)started[i]);
+            if (strncmp(entry->d_name, prefix, strlen(prefix)) != 0)
+                continue;
             count++;
-            if (used + strlen(name) < size)
-                used += (size_t)snprintf(out + used, size - used, "%s", name);
+            if (used + strlen(entry->d_name) + 2 < size)
+                used += (size_t)snprintf(names + used, size - used, "%s\n", entry->d_name);
         }
-        line = end + 1;
-    }
+    closedir(dir);
     return count;
 }
 
-/* Start the 4 ranks of one variant and check how each ended. Returns 0 if all is right. */
-static int run_variant(const char *variant, const char *backend)
+/*
+ * Start the 4 ranks of one variant (in nodes of `per_node` ranks, 0 = one node) and
+ * check how each ended. Returns 0 if all is right.
+ */
+static int run_variant(const char *variant, const char *backend, int per_node)
 {
     epx_unique_id_t id;
     char id_text[2 * EPX_UNIQUE_ID_BYTES + 64];
@@ -253,18 +259,23 @@ static int run_variant(const char *variant, const char *backend)
         pids[r] = fork();
         if (pids[r] < 0)
             TEST_FAIL("fork: %s", strerror(errno));
+        if (pids[r] > 0)
+            started[num_started++] = pids[r];
         if (pids[r] == 0) {
-            char rank_text[16], world_text[16], timeout_text[16];
+            char rank_text[16], world_text[16], timeout_text[16], per_node_text[16];
             snprintf(rank_text, sizeof rank_text, "%d", r);
             snprintf(world_text, sizeof world_text, "%d", NUM_RANKS);
             snprintf(timeout_text, sizeof timeout_text, "%d", TIMEOUT_MS);
+            snprintf(per_node_text, sizeof per_node_text, "%d", per_node);
             setenv("EPX_RANK", rank_text, 1);
-            setenv("EPX_LOCAL_RANK", rank_text, 1);
+            setenv("EPX_LOCAL_RANK", rank_text, 1); /* as epx launch: one machine */
+            if (per_node > 0)
+                setenv("EPX_RANKS_PER_NODE", per_node_text, 1);
             setenv("EPX_WORLD_SIZE", world_text, 1);
             setenv("EPX_UNIQUE_ID", id_text, 1);
             setenv("EPX_TIMEOUT_MS", timeout_text, 1);
             char *child_argv[] = {"test_killed_rank", "--child", (char *)variant, "--backend",
-                                  (char *)backend, NULL};
+                                  (char *)backend, "--ranks-per-node", per_node_text, NULL};
             execv("/proc/self/exe", child_argv);
             fprintf(stderr, "exec of /proc/self/exe failed: %s\n", strerror(errno));
             _exit(127);
@@ -320,30 +331,32 @@ int main(int argc, char **argv)
 
     const char *variant = mr_flag(argc, argv, "--variant", "all");
     const char *backend = mr_flag(argc, argv, "--backend", "auto");
+    int per_node = atoi(mr_flag(argc, argv, "--ranks-per-node", "0"));
+    if (per_node < 0 || (per_node > 0 && NUM_RANKS % per_node != 0))
+        TEST_FAIL("--ranks-per-node %d: expected 0 (one node) or a divisor of %d", per_node,
+                  NUM_RANKS);
     if (strcmp(variant, "all") != 0 && strcmp(variant, "kill") != 0 &&
         strcmp(variant, "sleep") != 0)
         TEST_FAIL("--variant %s: expected kill, sleep or all", variant);
 
-    static char before[1 << 16], after[1 << 16], leaked[1 << 16];
-    list_segments(before, sizeof before);
+    static char leaked[1 << 16];
     int failures = 0;
     if (strcmp(variant, "all") == 0 || strcmp(variant, "kill") == 0)
-        failures += run_variant("kill", backend);
+        failures += run_variant("kill", backend, per_node);
     if (strcmp(variant, "all") == 0 || strcmp(variant, "sleep") == 0)
-        failures += run_variant("sleep", backend);
+        failures += run_variant("sleep", backend, per_node);
 
-    /* Another test running at the same time may hold segments for a moment; a leak stays. */
-    list_segments(after, sizeof after);
-    if (new_segments(before, after, leaked, sizeof leaked) > 0) {
+    /* A segment may take a moment to go after its rank exits; a leak stays. */
+    if (leftover_segments(leaked, sizeof leaked) > 0) {
         sleep(2);
-        list_segments(after, sizeof after);
-        if (new_segments(before, after, leaked, sizeof leaked) > 0) {
+        if (leftover_segments(leaked, sizeof leaked) > 0) {
             fprintf(stderr, "FAIL: segments left in /dev/shm:\n%s", leaked);
             failures++;
         }
     }
     if (failures > 0)
         return 1;
-    printf("test_killed_rank: %s ok\n", variant);
+    printf("test_killed_rank: %s ok (%d node(s))\n", variant,
+           per_node > 0 ? NUM_RANKS / per_node : 1);
     return 0;
 }

@@ -57,8 +57,10 @@ static const normal_case_t cases[] = {
 #define NUM_CASES ((int)(sizeof cases / sizeof cases[0]))
 #define NUM_ROUNDS 3 /* rounds on one buffer, each with a new seed */
 
-static moe_case_t make_case(const normal_case_t *nc, int world, int case_index, int round)
+static moe_case_t make_case(const normal_case_t *nc, const epx_group_info_t *info,
+                            int case_index, int round)
 {
+    int world = info->world_size;
     moe_case_t c;
     memset(&c, 0, sizeof c);
     c.world_size = world;
@@ -76,6 +78,7 @@ static moe_case_t make_case(const normal_case_t *nc, int world, int case_index, 
     c.routing = nc->routing;
     c.drop_fraction = nc->drop_fraction;
     c.empty_rank = nc->empty_rank ? (world > 1 ? 1 : 0) : -1;
+    c.ranks_per_node = info->ranks_per_node; /* combine's summation order */
     return c;
 }
 
@@ -385,7 +388,9 @@ static void combine_view_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
 
 /*
  * Combine of the dispatched rows themselves (bf16): every token comes back as itself
- * times the number of ranks that received it.
+ * times the number of ranks that received it, summed node by node (moe_case.h): each
+ * node's partial x * (its receivers) is exact in fp32 and rounded to bf16, and the
+ * partials are added in node order. On one node: bf16(x * receivers).
  */
 static void roundtrip_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
                             void *recv_x)
@@ -404,15 +409,21 @@ static void roundtrip_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle
     uint16_t *want = calloc((size_t)(n * hidden) + 1, 2);
     CHECK(got != NULL && want != NULL);
     mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
-    for (int64_t t = 0; t < n; t++) {
-        int receivers = 0;
-        for (int r = 0; r < c->world_size; r++)
-            receivers += ctx->e->is_token_in_rank[t * c->world_size + r];
+    int world = c->world_size;
+    int per_node = c->ranks_per_node > 0 ? c->ranks_per_node : world;
+    for (int64_t t = 0; t < n; t++)
         for (int64_t i = 0; i < hidden; i++) {
             float x = moe_bf16_to_float(((const uint16_t *)ctx->in->x)[t * hidden + i]);
-            want[t * hidden + i] = moe_float_to_bf16(x * (float)receivers);
+            float total = 0.0f;
+            for (int node = 0; node < world / per_node; node++) {
+                int receivers = 0;
+                for (int r = node * per_node; r < (node + 1) * per_node; r++)
+                    receivers += ctx->e->is_token_in_rank[t * world + r];
+                if (receivers > 0)
+                    total += moe_bf16_to_float(moe_float_to_bf16(x * (float)receivers));
+            }
+            want[t * hidden + i] = moe_float_to_bf16(total);
         }
-    }
     nt_check_bf16_rows(ctx, step, got, want, n, hidden);
     free(got);
     free(want);
@@ -463,7 +474,7 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
 {
     const normal_case_t *nc = &cases[index];
     double start = mr_now_ms();
-    moe_case_t c = make_case(nc, info->world_size, index, 0);
+    moe_case_t c = make_case(nc, info, index, 0);
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = nc->max_tokens;
     config.hidden = c.hidden;
@@ -475,7 +486,7 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
 
     /* Later rounds reuse the buffer with new routing and values. */
     for (int round = 0; round < NUM_ROUNDS; round++) {
-        c = make_case(nc, info->world_size, index, round);
+        c = make_case(nc, info, index, round);
         inputs_t in;
         moe_expected_t e;
         char step[64];
@@ -500,8 +511,10 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
     /* Rank 0 reports a case only once every rank got through it. */
     CHECK_OK(epx_group_barrier(group));
     if (info->rank == 0)
-        printf("test_normal: %-15s ok (%d ranks, %s backend, %d experts, top-%d, %.0f ms)\n",
-               nc->name, info->world_size, epx_backend_name(info->backend), c.num_experts,
+        printf("test_normal: %-15s ok (%d ranks, %d node(s) of %d, %s backend, %d experts, "
+               "top-%d, %.0f ms)\n",
+               nc->name, info->world_size, info->world_size / info->ranks_per_node,
+               info->ranks_per_node, epx_backend_name(info->backend), c.num_experts,
                c.num_topk, mr_now_ms() - start);
 }
 

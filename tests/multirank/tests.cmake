@@ -25,6 +25,20 @@ foreach(ranks 1 2 3 4 8)
   set_tests_properties(multirank.normal.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
 endforeach()
 
+# Virtual nodes (docs/INTERNODE.md): RANKSxPER_NODE splits, every case. Dispatch results
+# do not change; combine sums node by node, which the oracle follows. n8 above is 1x8.
+foreach(split 8:4 8:2 8:1 4:2)
+  string(REPLACE ":" ";" split_parts ${split})
+  list(GET split_parts 0 ranks)
+  list(GET split_parts 1 per_node)
+  math(EXPR nodes "${ranks} / ${per_node}")
+  add_test(NAME multirank.normal.n${ranks}.nodes${nodes}x${per_node}
+           COMMAND ${EPX_LAUNCH} -n ${ranks} --ranks-per-node ${per_node} --
+                   $<TARGET_FILE:test_normal> --backend ${EPX_TEST_BACKEND})
+  set_tests_properties(multirank.normal.n${ranks}.nodes${nodes}x${per_node}
+                       PROPERTIES TIMEOUT 120 LABELS multirank)
+endforeach()
+
 foreach(ranks 1 2)
   add_test(NAME multirank.bad_input.n${ranks}
            COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_bad_input>
@@ -35,6 +49,10 @@ endforeach()
 add_test(NAME multirank.killed_rank
          COMMAND test_killed_rank --backend ${EPX_TEST_BACKEND})
 set_tests_properties(multirank.killed_rank PROPERTIES TIMEOUT 120 LABELS multirank)
+# The same across two virtual nodes of 2 ranks: the failed ranks are in the other node.
+add_test(NAME multirank.killed_rank.nodes2x2
+         COMMAND test_killed_rank --backend ${EPX_TEST_BACKEND} --ranks-per-node 2)
+set_tests_properties(multirank.killed_rank.nodes2x2 PROPERTIES TIMEOUT 120 LABELS multirank)
 
 # Low-latency mode (include/epx.h, docs/LOW_LATENCY.md) against tests/common/moe_ll.c.
 add_executable(test_ll ${EPX_MULTIRANK_DIR}/test_ll.c)

@@ -250,6 +250,74 @@ assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
 PY
     fi
     ;;
+bench_nodes)
+    # Two virtual nodes of 2 ranks: checked results (combine sums node by node) and the
+    # expected traffic across nodes, which must agree with the bench's own byte counts.
+    run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 64 --hidden 256 --experts 8 --topk 2 \
+        --check --json --iters 2
+    expect_rc 0
+    expect_count '"check":"PASS"' out 10
+    expect_count '"traffic":"expected"' out 4
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "traffic lines do not hold what they should"
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1])]
+timed = {(r["dtype"], r["op"]): r for r in lines if "op" in r}
+traffic = {(r["dtype"], r["traffic_op"]): r for r in lines if r.get("traffic") == "expected"}
+assert len(timed) == 10 and len(traffic) == 4, lines
+for (dtype, op), t in traffic.items():
+    assert t["ranks"] == 4 and t["ranks_per_node"] == 2 and t["nodes"] == 2, t
+    assert t["tokens_total"] == 4 * 64, t
+    record = t["payload_bytes_per_record"] + t["overhead_bytes_per_record"]
+    assert t["network_bytes_total"] == t["records_total"] * record, t
+    assert t["network_bytes_per_rank"] == t["records_rank0"] * record, t
+    # With top-2 a token reaches at most one node besides its own.
+    assert 0 < t["records_total"] <= t["tokens_total"], t
+    # Every row delivered once inside a node: what the timed op counted over all ranks.
+    rows = t["home_rows_total"] + t["forwarded_rows_total"]
+    assert t["local_bytes_total"] == rows * t["local_row_bytes"], t
+    bench_op = "dispatch" if op == "dispatch" else "combine"
+    assert t["local_bytes_total"] == timed[(dtype, bench_op)]["total_bytes"], (t, timed)
+    assert abs(t["network_messages_per_token"] - t["records_total"] / 256) < 1e-5, t
+# fp8 records carry 256 fp8 bytes and 2 fp32 scales; bf16 512 bytes; combine one bf16 row.
+assert traffic[("fp8", "dispatch")]["payload_bytes_per_record"] == 264
+assert traffic[("bf16", "dispatch")]["payload_bytes_per_record"] == 512
+assert traffic[("fp8", "combine")]["payload_bytes_per_record"] == 512
+# ids (2 x 8) + weights (2 x 4) + destination rows (2 ranks x 4); combine: weights.
+assert traffic[("bf16", "dispatch")]["overhead_bytes_per_record"] == 32
+assert traffic[("bf16", "combine")]["overhead_bytes_per_record"] == 8
+# The routing does not depend on the dtype.
+assert traffic[("bf16", "dispatch")]["records_total"] == traffic[("fp8", "combine")]["records_total"]
+PY
+    fi
+    # The table: the traffic block after each dtype's rows.
+    run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 32 --hidden 256 --experts 8 --topk 2 \
+        --check --iters 1
+    expect_rc 0
+    expect_count ' PASS$' out 10
+    expect_count '^# traffic, 2 nodes x 2 ranks:$' out 2
+    expect_count '^  bf16  dispatch  *[0-9]* ' out 2
+    # One node: nothing crosses the network.
+    run "$EPX" bench -n 2 --ranks-per-node 2 --tokens 32 --hidden 256 --experts 8 --topk 2 \
+        --dtype bf16 --iters 1 --json
+    expect_rc 0
+    expect_count '"traffic_op":"dispatch".*"records_total":0,' out 1
+    # No node split asked for, one node: no traffic lines.
+    run "$EPX" bench -n 2 --tokens 32 --hidden 256 --experts 8 --topk 2 --dtype bf16 --iters 1
+    expect_rc 0
+    expect_count 'traffic' out 0
+    # A node size that does not divide the ranks; a group whose node size differs.
+    run "$EPX" bench -n 4 --ranks-per-node 3
+    expect_rc 2
+    expect_err 'ranks-per-node 3 does not divide -n 4'
+    run "$EPX" launch -n 2 -- "$EPX" bench --ranks-per-node 1 --tokens 8 --hidden 128 \
+        --experts 4 --topk 2
+    expect_rc 2
+    expect_err 'ranks-per-node 1, but the group has 2 ranks per node'
+    run "$EPX" bench --mode ll --ranks-per-node 1
+    expect_rc 2
+    expect_err 'ranks-per-node is for normal mode'
+    ;;
 bench_ll_check)
     # Low-latency mode, both dispatch dtypes, checked: ten ops each.
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype all \

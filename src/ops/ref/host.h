@@ -70,8 +70,8 @@ typedef struct {
     int64_t sequence;
     int32_t *route;     /* [max_tokens_per_rank * R] dispatch scratch */
     uint8_t *rank_hit;  /* [R] dispatch scratch */
-    float *accumulator; /* [hidden] combine scratch */
-    float *weight_sums; /* [num_topk] combine scratch */
+    float *accumulator; /* [2 * hidden] combine scratch: a node's partial, the total */
+    float *weight_sums; /* [2 * num_topk] combine scratch: the same for the weights */
     struct epx__host_ll *ll; /* low-latency mode (host_ll.h); NULL when off */
 } epx__host_buffer_t;
 

@@ -105,8 +105,9 @@ static epx_status_t epx__host_buffer_create(epx_buffer_t buffer)
         size_t route_cells = (size_t)layout.capacity > 0 ? (size_t)layout.capacity : 1;
         host->route = malloc(route_cells * sizeof(int32_t));
         host->rank_hit = malloc((size_t)group->world_size);
-        host->accumulator = malloc((size_t)config->hidden * sizeof(float) + sizeof(float));
-        host->weight_sums = malloc((size_t)config->num_topk * sizeof(float) + sizeof(float));
+        /* Combine sums node by node: a node's partial and the total, side by side. */
+        host->accumulator = malloc(2 * (size_t)config->hidden * sizeof(float) + sizeof(float));
+        host->weight_sums = malloc(2 * (size_t)config->num_topk * sizeof(float) + sizeof(float));
     }
     if (host == NULL || host->route == NULL || host->rank_hit == NULL ||
         host->accumulator == NULL || host->weight_sums == NULL) {
