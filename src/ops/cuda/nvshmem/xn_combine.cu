@@ -118,6 +118,35 @@ __device__ __forceinline__ void epx_xn_add_weights(const float *const *src, int 
             sum[i] += __ldcg(src[j] + k);
 }
 
+/*
+ * This node's rows of one item (rows[p] = its row at local rank p, or -1), in rank order:
+ * their addresses in the peers' x and combine weights. Returns how many (every lane).
+ */
+__device__ __forceinline__ int epx_xn_local_sources(const epx__cuda_shape_t &s, const int32_t *rows,
+                                                    const char *const *x_base,
+                                                    const int64_t *x_stride,
+                                                    const int64_t *x_rows, const char **row_out,
+                                                    const float **weights_out)
+{
+    const int lane = epx_lane(), P = s.ranks_per_node;
+    const int first_local = epx_xn_node(s, s.rank) * P;
+    int32_t row = lane < P ? rows[lane] : -1;
+    if (row >= 0 && row >= x_rows[lane]) {
+        epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY, first_local + lane,
+                           s.rank, row, x_rows[lane], 1);
+        row = -1;
+    }
+    unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
+    if (row >= 0) {
+        int pos = __popc(ballot & ((1u << lane) - 1u));
+        row_out[pos] = x_base[lane] + (int64_t)row * x_stride[lane];
+        weights_out[pos] = reinterpret_cast<const float *>(epx_peer(s, first_local + lane) +
+                                                           s.off_combine_weights) +
+                           (int64_t)row * s.num_topk;
+    }
+    return __popc(ballot);
+}
+
 #define EPX_XN_MAX_K_PER_LANE 8 /* top-k up to 256 */
 
 /*
@@ -166,86 +195,74 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int lane = epx_lane(), warp = epx_warp();
     const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t units = s.hidden * 2 / 16;
-    const int64_t partial_bytes = (s.hidden * 2 + (a.has_weights ? K * 4 : 0) + 15) / 16 * 16;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
-    const int64_t records = first_record[N], items = records + a.num_tokens;
-    uint64_t entered = 0; /* bit n: node n's home rank is known to have entered */
+    const int64_t records = first_record[N];
     uint64_t arrived = 0; /* bit n: all of node n's partial sums are known to be here */
 
-    for (int64_t step = first_warp; step < items; step += num_warps) {
-        /* Test mode takes the records last first. */
-        int64_t q = step;
-        if (s.xn_test_delay_ns > 0 && q < records)
-            q = records - 1 - q;
-        int is_record = q < records;
+    /* Records: each warp a contiguous run, so its partial sums for one home rank lie in
+     * consecutive slots and leave as one put with one signal. */
+    const int64_t per_warp = (records + num_warps - 1) / num_warps;
+    const int64_t run_begin = min(first_warp * per_warp, records);
+    const int64_t run_end = min(run_begin + per_warp, records);
+    int failed = 0;
+    for (int64_t step = 0; step < run_end - run_begin; step++) {
+        /* Test mode takes the run last first. */
+        const int64_t q = s.xn_test_delay_ns > 0 ? run_end - 1 - step : run_begin + step;
         int node = 0;
-        int64_t j = 0;
-        const int32_t *rows;
-        if (is_record) {
-            while (q >= first_record[node + 1])
-                node++;
-            j = q - first_record[node];
-            rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
-        } else {
-            j = q - records; /* the token */
-            rows = a.send_row + j * R + first_local;
+        while (q >= first_record[node + 1])
+            node++;
+        const int64_t j = q - first_record[node];
+        const int32_t *rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
+        int n_local = epx_xn_local_sources(s, rows, x_base, x_stride, x_rows, local_row[warp],
+                                           local_weights[warp]);
+        __syncwarp();
+        char *out = own + s.off_xn_partial_out +
+                    ((int64_t)node * s.max_tokens + j) * s.xn_partial_pitch;
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
+            float acc[EPX_XN_COMBINE_UNROLL][8] = {};
+            epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
+            epx_xn_store_acc(out, 16, i0, units, acc);
         }
-        /* This node's rows of the item, in rank order. */
-        int32_t row = lane < P ? rows[lane] : -1;
-        if (row >= 0 && row >= x_rows[lane]) {
-            epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY,
-                               first_local + lane, me, row, x_rows[lane], 1);
-            row = -1;
+        if (a.has_weights) {
+            float sum[EPX_XN_MAX_K_PER_LANE] = {};
+            epx_xn_add_weights(local_weights[warp], n_local, K, sum);
+            for (int k = lane, i = 0; k < K; k += 32, i++)
+                reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
         }
-        unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-        if (row >= 0) {
-            int pos = __popc(ballot & lanes_below);
-            local_row[warp][pos] = x_base[lane] + (int64_t)row * x_stride[lane];
-            local_weights[warp][pos] =
-                reinterpret_cast<const float *>(epx_peer(s, first_local + lane) +
-                                                s.off_combine_weights) +
-                (int64_t)row * K;
-        }
-        const int n_local = __popc(ballot);
-
-        if (is_record) {
-            __syncwarp();
-            char *out = own + s.off_xn_partial_out +
-                        ((int64_t)node * s.max_tokens + j) * s.xn_partial_pitch;
-            for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
-                float acc[EPX_XN_COMBINE_UNROLL][8] = {};
-                epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
-                epx_xn_store_acc(out, 16, i0, units, acc);
-            }
-            if (a.has_weights) {
-                float sum[EPX_XN_MAX_K_PER_LANE] = {};
-                epx_xn_add_weights(local_weights[warp], n_local, K, sum);
-                for (int k = lane, i = 0; k < K; k += 32, i++)
-                    reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
-            }
-            __syncwarp();
-            int home = epx_xn_partner(s, node);
-            if (!((entered >> node) & 1u)) {
-                int ok = 1;
-                if (lane == 0)
-                    ok = epx_wait_flag(s, &epx_slot(s, me, home)->xn_enter, seq,
-                                       EPX_CUDA_STAGE_COMBINE_ENTER, home);
-                if (!__shfl_sync(0xffffffffu, ok, 0))
-                    break;
-                entered |= 1ull << node;
-            }
-            epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)q);
-            __syncwarp();
-            char *slot = own + s.off_xn_partial_in +
-                         ((int64_t)my_node * s.max_tokens + j) * s.xn_partial_pitch;
-            nvshmemx_putmem_signal_nbi_warp(
-                slot, out, (size_t)partial_bytes,
-                epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t, xn_partials)), 1,
-                NVSHMEM_SIGNAL_ADD, home);
-            __syncwarp();
+        __syncwarp();
+    }
+    /* The run's partial sums, one put per home rank it reaches. */
+    for (int node = 0; node < N && run_end > run_begin && !failed; node++) {
+        int64_t from = max(run_begin, (int64_t)first_record[node]);
+        int64_t to = min(run_end, (int64_t)first_record[node + 1]);
+        if (from >= to)
             continue;
+        int home = epx_xn_partner(s, node);
+        int ok = 1;
+        if (lane == 0)
+            ok = epx_wait_flag(s, &epx_slot(s, me, home)->xn_enter, seq,
+                               EPX_CUDA_STAGE_COMBINE_ENTER, home);
+        if (!__shfl_sync(0xffffffffu, ok, 0)) {
+            failed = 1;
+            break;
         }
+        epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)from);
+        __syncwarp();
+        int64_t at = (from - first_record[node]) * s.xn_partial_pitch;
+        nvshmemx_putmem_signal_nbi_warp(
+            own + s.off_xn_partial_in + (int64_t)my_node * s.max_tokens * s.xn_partial_pitch + at,
+            own + s.off_xn_partial_out + (int64_t)node * s.max_tokens * s.xn_partial_pitch + at,
+            (size_t)((to - from) * s.xn_partial_pitch),
+            epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t, xn_partials)),
+            (uint64_t)(to - from), NVSHMEM_SIGNAL_ADD, home);
+    }
+    __syncwarp();
+
+    /* Own tokens. */
+    for (int64_t j = first_warp; j < a.num_tokens && !failed; j += num_warps) {
+        int n_local = epx_xn_local_sources(s, a.send_row + j * R + first_local, x_base, x_stride,
+                                           x_rows, local_row[warp], local_weights[warp]);
 
         /* Own token j: the other nodes' partial sums, in node order (lane = node). */
         int before = 0, n_remote = 0, ok = 1;

@@ -15,9 +15,10 @@
  *    node, to that rank's experts, and its input status) put with a signal; waits for
  *    everyone's; derives the receive offsets as on one node, and the records it will
  *    send to and receive from each node.
- * 2. Send (the SM budget, a warp per token): loads each x row once and stores it to the
- *    ranks of its node and into one staged record per destination node, then puts each
- *    record with an NVSHMEM put-with-signal that adds one to a counter at the partner
+ * 2. Send (the SM budget, a warp per contiguous run of tokens): loads each x row once
+ *    and stores it to the ranks of its node and into one staged record per destination
+ *    node; the run's records for a node lie in consecutive slots, so they leave as one
+ *    NVSHMEM put-with-signal whose signal adds their count to a counter at the partner
  *    (data and arrival in one operation; no quiet per warp, one quiet at the end so the
  *    staging can be reused).
  * 3. Forward (the same kernel: each warp turns to records when no token is left): waits
@@ -203,9 +204,14 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
 
-    for (int64_t step = first_warp; step < a.num_tokens; step += num_warps) {
+    /* Each warp sends a contiguous run of tokens: its records for one node then take
+     * consecutive slots there and leave as one put with one signal per node. */
+    const int64_t per_warp = (a.num_tokens + num_warps - 1) / num_warps;
+    const int64_t run_begin = min(first_warp * per_warp, a.num_tokens);
+    const int64_t run_end = min(run_begin + per_warp, a.num_tokens);
+    for (int64_t step = 0; step < run_end - run_begin; step++) {
         /* Test mode sends the last tokens first. */
-        const int64_t t = s.xn_test_delay_ns > 0 ? a.num_tokens - 1 - step : step;
+        const int64_t t = s.xn_test_delay_ns > 0 ? run_end - 1 - step : run_begin + step;
         /* Ordinals become rows (fresh) for every rank: records carry the remote ones. */
         for (int r0 = 0; r0 < R; r0 += 32) {
             int r = r0 + lane;
@@ -292,21 +298,36 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
                     a.send_row[t * R + node * P + p];
         }
         __syncwarp();
-        for (int j = 0; j < n; j++) {
-            if (dest[warp][j] >= 0)
-                continue;
-            int node = -1 - dest[warp][j];
-            epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)t * 64 + node);
-            __syncwarp();
-            char *slot = own + s.off_xn_inbox +
-                         ((int64_t)my_node * s.max_tokens + dest_row[warp][j]) * rec.bytes;
-            nvshmemx_putmem_signal_nbi_warp(slot, dest_x[warp][j], (size_t)rec.bytes,
-                                            epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t,
-                                                                              xn_records)),
-                                            1, NVSHMEM_SIGNAL_ADD, epx_xn_partner(s, node));
-        }
-        __syncwarp();
     }
+    /* The run's records for each node: consecutive slots from the run's first one. */
+    for (int node = 0; node < N && run_end > run_begin; node++) {
+        if (node == my_node)
+            continue;
+        int32_t first = INT32_MAX, count = 0;
+        for (int64_t t = run_begin + lane; t < run_end; t += 32) {
+            int32_t pos = a.xn.node_pos[t * N + node];
+            if (pos >= 0) {
+                first = min(first, pos);
+                count++;
+            }
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+            count += __shfl_xor_sync(0xffffffffu, count, o);
+        }
+        if (count == 0)
+            continue;
+        epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)run_begin * 64 + node);
+        __syncwarp();
+        int64_t at = (int64_t)first * rec.bytes;
+        nvshmemx_putmem_signal_nbi_warp(
+            own + s.off_xn_inbox + (int64_t)my_node * s.max_tokens * rec.bytes + at,
+            own + s.off_xn_outbox + (int64_t)node * s.max_tokens * rec.bytes + at,
+            (size_t)count * (size_t)rec.bytes,
+            epx_xn_slot_field(s, me, offsetof(epx__cuda_slot_t, xn_records)), (uint64_t)count,
+            NVSHMEM_SIGNAL_ADD, epx_xn_partner(s, node));
+    }
+    __syncwarp();
 
     /* Forward: the records of other nodes' partners, once each node's have all arrived. */
     const uint64_t seq = epx_op_seq(s);
