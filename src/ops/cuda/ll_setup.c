@@ -368,9 +368,12 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     if (peers == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
     int direct = 0, unreachable = -1;
+    int per_node = buffer->group->ranks_per_node > 0 ? buffer->group->ranks_per_node : R;
     for (int r = 0; r < R; r++) {
         peers[r] = ll->plugin->peer_ptr(ll->sym, r);
-        if (force_puts && r != s->rank)
+        /* Ranks of other nodes only through NVSHMEM puts, even where NVSHMEM could map
+         * them (virtual nodes on one machine): the path a real network takes. */
+        if ((force_puts && r != s->rank) || r / per_node != s->rank / per_node)
             peers[r] = NULL;
         if (peers[r] == NULL) {
             s->use_puts = 1;
@@ -397,7 +400,6 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
              "stores, %s",
              (double)ll->sym_bytes / 1e6, (double)ll->local_bytes / 1e6, direct, R,
              s->use_puts ? "NVSHMEM puts to the rest" : "no puts");
-    (void)buffer;
     return EPX_SUCCESS;
 }
 
