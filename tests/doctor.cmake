@@ -1,4 +1,4 @@
-# Tests of `epx doctor` (tools/doctor*.c). Included at the end of tests/CMakeLists.txt.
+# Tests of `epx doctor` (tools/doctor/). Included at the end of tests/CMakeLists.txt.
 #
 # - unit.test_doctor_parse / _report / _child: the unit-test glob makes these targets;
 #   here they get the doctor sources they test and the recorded samples.
@@ -9,7 +9,7 @@
 #   says not-present with the fix. The script is told the plugin's path, or "none" when
 #   this build has none.
 
-set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools)
+set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools/doctor)
 
 if(TARGET test_doctor_parse)
   target_sources(test_doctor_parse PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_parse.c

@@ -6,9 +6,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "commands.h"
+#include "common/commands.h"
 #include "core/core.h"
-#include "doctor.h"
+#include "doctor/doctor.h"
 #include "epx.h"
 
 static const char usage_text[] =

@@ -1,5 +1,5 @@
 /*
- * The shared-memory transport of the host backend (src/transport/shm.h), with real
+ * The shared-memory transport of the host backend (src/transport/shm/shm.h), with real
  * ranks: the test forks 4 processes that form a group over the TCP bootstrap and map
  * each other's segments. Scenarios: data crosses barriers intact; a rank that exits
  * (reaped or left a zombie), a rank that aborts, and a rank that never arrives each
@@ -19,7 +19,7 @@
 
 #include "internal.h"
 #include "test_util.h"
-#include "transport/shm_private.h"
+#include "transport/shm/shm_private.h"
 
 #define WORLD 4
 #define SCENARIO_DEADLINE_S 30

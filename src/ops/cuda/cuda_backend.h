@@ -18,8 +18,8 @@
 
 #include "internal.h"
 #include "ops/cuda/launch.h"
-#include "transport/cuda/cuda_status.h"
-#include "transport/cuda/ipc.h"
+#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/ipc.h"
 
 /* ---------------------------------------------------------------- handle memory */
 

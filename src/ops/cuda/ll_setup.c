@@ -22,7 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include "ops/cuda/ll.h"
-#include "transport/cuda/cuda_status.h"
+#include "transport/cuda_status.h"
 
 #define EPX_LL_UID_BYTES 256
 #define EPX_LL_ALIGN 256

@@ -1,6 +1,6 @@
 /*
  * Low-latency dispatch kernels (docs/LOW_LATENCY.md; the host backend's
- * src/ops/ref/host_ll_dispatch.c is the oracle they match).
+ * src/ops/host/host_ll_dispatch.c is the oracle they match).
  *
  * Send (grid = SM budget, each block a contiguous range of tokens):
  *   1. give back this slot's previous results if the step had no combine (which would

@@ -22,7 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "transport/shm_private.h"
+#include "transport/shm/shm_private.h"
 
 #define EPX__SHM_SPIN_ROUNDS 200
 #define EPX__SHM_YIELD_NS 2000000ll /* yield for the first 2 ms, then sleep */

@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "transport/shm.h"
+#include "transport/shm/shm.h"
 
 #define EPX__SHM_MAGIC 0x316d68732d787065ull /* "epx-shm1" little endian */
 #define EPX__SHM_HEADER_BYTES 4096u

@@ -33,7 +33,7 @@ typedef struct {
 int epx__launch_run(const epx__launch_options_t *options);
 
 /*
- * The supervision part of epx__launch_run (tools/launch_ranks.c): fork and exec the
+ * The supervision part of epx__launch_run (tools/launch/launch_ranks.c): fork and exec the
  * ranks with `unique_id` in their environment, forward output, handle failures,
  * signals and the timeout. Same return value.
  */

@@ -15,12 +15,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "args.h"
+#include "common/args.h"
 #include "bench.h"
 #include "bench_nodes.h"
-#include "commands.h"
+#include "common/commands.h"
 #include "core/core.h"
-#include "launch.h"
+#include "launch/launch.h"
 
 /* Stated in the table header whenever it is used (DESIGN.md section 5). */
 #define CUDA_FLOOR_GBPS 4250.0

@@ -16,8 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "args.h"
-#include "commands.h"
+#include "common/args.h"
+#include "common/commands.h"
 #include "core/core.h"
 #include "epx.h"
 #include "launch.h"

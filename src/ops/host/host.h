@@ -1,6 +1,6 @@
 /*
  * The host (CPU) backend: DESIGN.md section 2 on host memory, ranks as processes that
- * share POSIX shared memory (src/transport/shm.h). Internal to src/ops/ref.
+ * share POSIX shared memory (src/transport/shm/shm.h). Internal to src/ops/host.
  *
  * Each rank's segment holds, at fixed offsets (epx__host_layout_t):
  *   call area     what this rank is doing now (op, sequence, dtype, which optional
@@ -20,14 +20,14 @@
  * previous call's results on every rank may be overwritten; its last barrier means
  * "every rank is done with this call's shared data".
  */
-#ifndef EPX_OPS_REF_HOST_H
-#define EPX_OPS_REF_HOST_H
+#ifndef EPX_OPS_HOST_HOST_H
+#define EPX_OPS_HOST_HOST_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "internal.h"
-#include "transport/shm.h"
+#include "transport/shm/shm.h"
 
 /* Byte offsets of the arrays in one rank's data area (all 64-byte aligned). */
 typedef struct {
@@ -116,4 +116,4 @@ epx_status_t epx__host_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
 /* The staging x rows of this rank: combine reads an x that is exactly this view in place. */
 epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *rows);
 
-#endif /* EPX_OPS_REF_HOST_H */
+#endif /* EPX_OPS_HOST_HOST_H */

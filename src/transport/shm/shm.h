@@ -53,7 +53,7 @@ size_t epx__shm_data_bytes(const epx__shm_t *shm);
 size_t epx__shm_segment_bytes(size_t data_bytes);
 
 /*
- * Sequence flags (src/transport/shm_flag.c), for waits between some ranks only: a writer
+ * Sequence flags (src/transport/shm/shm_flag.c), for waits between some ranks only: a writer
  * stores a flag (release) after the data it guards; a reader loads it (acquire).
  */
 uint64_t epx__shm_flag_load(const uint64_t *flag);

@@ -1,5 +1,5 @@
 /* Strict flag-value parsing for the `epx` subcommands. */
-#include "args.h"
+#include "common/args.h"
 
 #include <errno.h>
 #include <math.h>

@@ -8,8 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "ops/ref/bf16.h"
-#include "ops/ref/host_ll.h"
+#include "ops/host/bf16.h"
+#include "ops/host/host_ll.h"
 
 static uint8_t epx__float_to_e4m3(float value)
 {

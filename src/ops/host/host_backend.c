@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops/ref/host.h"
-#include "ops/ref/host_ll.h"
+#include "ops/host/host.h"
+#include "ops/host/host_ll.h"
 
 /* Place an array of count * element bytes at the next 64-byte boundary. */
 static int epx__host_place(size_t *cursor, size_t *offset, int64_t count, size_t element)

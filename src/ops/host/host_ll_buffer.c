@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops/ref/host.h"
-#include "ops/ref/host_ll.h"
+#include "ops/host/host.h"
+#include "ops/host/host_ll.h"
 
 /* Place count * element bytes at the next 64-byte boundary; nonzero on overflow. */
 static int epx__ll_place(size_t *cursor, size_t *offset, int64_t count, size_t element)

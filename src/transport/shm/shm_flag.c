@@ -14,7 +14,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "transport/shm_private.h"
+#include "transport/shm/shm_private.h"
 
 #define EPX__FLAG_SPIN_ROUNDS 200
 #define EPX__FLAG_YIELD_NS 2000000ll

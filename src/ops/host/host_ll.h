@@ -1,5 +1,5 @@
 /*
- * Low-latency mode on the host backend (docs/LOW_LATENCY.md). Internal to src/ops/ref.
+ * Low-latency mode on the host backend (docs/LOW_LATENCY.md). Internal to src/ops/host.
  *
  * A second shared-memory segment per rank, made only when max_low_latency_tokens > 0
  * (M; R ranks, L local experts, k top-k, S = hidden / 128 scale columns):
@@ -19,14 +19,14 @@
  * source rank, then source token. Before reusing a slot a sender waits for the
  * receiver's release of that slot's previous use.
  */
-#ifndef EPX_OPS_REF_HOST_LL_H
-#define EPX_OPS_REF_HOST_LL_H
+#ifndef EPX_OPS_HOST_HOST_LL_H
+#define EPX_OPS_HOST_HOST_LL_H
 
 #include <stddef.h>
 #include <stdint.h>
 
 #include "internal.h"
-#include "transport/shm.h"
+#include "transport/shm/shm.h"
 
 enum {
     EPX__LL_FLAG_DISPATCH = 0,
@@ -120,4 +120,4 @@ epx_status_t epx__host_ll_combine_buffer(epx_buffer_t buffer, int slot, void **b
 epx_status_t epx__host_ll_mask_rank(epx_buffer_t buffer, int rank);
 void epx__host_ll_get_masked(epx_buffer_t buffer, int32_t *mask);
 
-#endif /* EPX_OPS_REF_HOST_LL_H */
+#endif /* EPX_OPS_HOST_HOST_LL_H */

@@ -3,8 +3,8 @@
  * a shift; narrowing rounds to nearest even, like the GPU's __float2bfloat16_rn, so
  * that the host backend and the CUDA backend produce the same bits.
  */
-#ifndef EPX_OPS_REF_BF16_H
-#define EPX_OPS_REF_BF16_H
+#ifndef EPX_OPS_HOST_BF16_H
+#define EPX_OPS_HOST_BF16_H
 
 #include <stdint.h>
 #include <string.h>
@@ -27,4 +27,4 @@ static inline uint16_t epx__float_to_bf16(float value)
     return (uint16_t)((bits + rounding) >> 16);
 }
 
-#endif /* EPX_OPS_REF_BF16_H */
+#endif /* EPX_OPS_HOST_BF16_H */

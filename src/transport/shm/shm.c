@@ -17,7 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "transport/shm_private.h"
+#include "transport/shm/shm_private.h"
 
 /* What each rank tells the others in the setup allgathers. */
 typedef struct {

@@ -14,8 +14,8 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "ops/ref/host.h"
-#include "ops/ref/host_ll.h"
+#include "ops/host/host.h"
+#include "ops/host/host_ll.h"
 
 /* The result views of a slot (contents valid after the receive). */
 static void epx__ll_dispatch_views_host(epx_buffer_t buffer, epx__host_ll_t *ll, int slot,

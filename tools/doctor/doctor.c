@@ -14,7 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "args.h"
+#include "common/args.h"
 #include "doctor_checks.h"
 #include "doctor_report.h"
 #include "epx.h"

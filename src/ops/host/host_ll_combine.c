@@ -11,9 +11,9 @@
  */
 #include <string.h>
 
-#include "ops/ref/bf16.h"
-#include "ops/ref/host.h"
-#include "ops/ref/host_ll.h"
+#include "ops/host/bf16.h"
+#include "ops/host/host.h"
+#include "ops/host/host_ll.h"
 
 epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
                                   void *stream)

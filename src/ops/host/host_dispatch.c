@@ -16,7 +16,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "ops/ref/host.h"
+#include "ops/host/host.h"
 
 /* The facts of one call, resolved once from the buffer and the arguments. */
 typedef struct {

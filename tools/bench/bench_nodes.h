@@ -81,7 +81,7 @@ void epx__bench_nodes_print_row(FILE *out, const epx__bench_nodes_shape_t *shape
                                 const epx__bench_nodes_row_t *row, int json);
 
 /*
- * Collective (tools/bench_nodes_run.c): count this rank's routing of the run (made from
+ * Collective (tools/bench/bench_nodes_run.c): count this rank's routing of the run (made from
  * the seed, as the timed case makes it), gather every rank's counts, and print dispatch
  * and combine on rank 0 (`json`: JSON lines; else a table, with what its figures mean
  * when `explain`). Ends the process on failure, like the rest of the bench.

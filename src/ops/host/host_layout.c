@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ops/ref/host.h"
+#include "ops/host/host.h"
 
 epx_status_t epx__host_route_token(const char *op, const int64_t *idx, int num_topk, int64_t token,
                                    int num_experts, int num_local, uint8_t *rank_hit,

@@ -1,7 +1,7 @@
 /*
  * CUDA runtime failures as epx statuses (see cuda_status.h).
  */
-#include "transport/cuda/cuda_status.h"
+#include "transport/cuda_status.h"
 
 #include <stdarg.h>
 #include <stdio.h>

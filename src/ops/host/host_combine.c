@@ -18,8 +18,8 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "ops/ref/bf16.h"
-#include "ops/ref/host.h"
+#include "ops/host/bf16.h"
+#include "ops/host/host.h"
 
 epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *rows)
 {

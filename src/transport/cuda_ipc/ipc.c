@@ -1,14 +1,14 @@
 /*
  * Peer device memory over CUDA IPC (see ipc.h).
  */
-#include "transport/cuda/ipc.h"
+#include "transport/cuda_ipc/ipc.h"
 
 #include <stdlib.h>
 #include <string.h>
 
 #include <cuda_runtime_api.h>
 
-#include "transport/cuda/cuda_status.h"
+#include "transport/cuda_status.h"
 
 /* What each rank contributes to an allgather step: its status and its handle. */
 typedef struct {
