@@ -21,8 +21,8 @@ endif()
 
 if(TARGET test_doctor_child)
   target_sources(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_child.c
-                 ${EPX_DOCTOR_TOOLS}/doctor_report.c)
-  target_include_directories(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS})
+                 ${EPX_DOCTOR_TOOLS}/doctor_report.c ${CMAKE_SOURCE_DIR}/tools/common/tool.c)
+  target_include_directories(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS} ${CMAKE_SOURCE_DIR}/tools)
 endif()
 
 if(TARGET test_doctor_report)

@@ -35,7 +35,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "internal.h"
+#include "api.h"
 #include "moe_ll.h"
 
 #define CUDA_OK(call)                                                                    \
@@ -929,7 +929,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "cuda_ll: group: %s: %s\n", epx_status_name(status), epx_last_error());
         return 1;
     }
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     if (epx_group_get_info(g_group, &info) != EPX_SUCCESS)
         return 1;
     g_rank = info.rank;

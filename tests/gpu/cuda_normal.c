@@ -19,7 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "internal.h"
+#include "api.h"
 #include "moe_case.h"
 
 #define CUDA_OK(call)                                                                    \
@@ -423,7 +423,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "cuda_normal: group: %s: %s\n", epx_status_name(status), epx_last_error());
         return 1;
     }
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     EPX_OK(epx_group_get_info(group, &info));
     g_rank = info.rank;
     CUDA_OK(cudaSetDevice(info.device));

@@ -20,7 +20,7 @@
 #include "test_util.h"
 
 epx_group_t bi_group;
-epx_group_info_t bi_info;
+epx_group_info_t bi_info = EPX_GROUP_INFO_INIT;
 
 /* Is `word` in `text` with no identifier character on either side? */
 static int mentions_word(const char *text, const char *word)

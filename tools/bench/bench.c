@@ -19,7 +19,7 @@
 #include "bench.h"
 #include "bench_nodes.h"
 #include "common/commands.h"
-#include "core/core.h"
+#include "common/tool.h"
 #include "launch/launch.h"
 
 /* Stated in the table header whenever it is used (DESIGN.md section 5). */
@@ -74,10 +74,10 @@ void epx__bench_must(int rank, epx_status_t status, const char *what)
         return;
     if (rank >= 0)
         fprintf(stderr, "epx bench: rank %d: %s failed: %s: %s\n", rank, what,
-                epx_status_name(status), epx_last_error());
+                epx_status_name(status), epx__tool_error_text());
     else
         fprintf(stderr, "epx bench: %s failed: %s: %s\n", what, epx_status_name(status),
-                epx_last_error());
+                epx__tool_error_text());
     exit(1);
 }
 
@@ -357,7 +357,7 @@ static int run(const epx__bench_options_t *o)
 {
     epx_group_t group = NULL;
     epx__bench_must(-1, epx_group_create_from_env(o->backend, &group), "epx_group_create_from_env");
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     int cuda = info.backend == EPX_BACKEND_CUDA;
     int ll = o->mode == EPX__BENCH_MODE_LL;
@@ -390,7 +390,7 @@ static int run(const epx__bench_options_t *o)
     context.topk = o->topk;
     context.alignment = o->alignment;
     context.seed = o->seed;
-    context.sms = o->sms > 0 ? o->sms : (int)epx__param_int(EPX_PARAM_NUM_SMS);
+    context.sms = o->sms > 0 ? o->sms : (int)epx__tool_param_int("EPX_NUM_SMS");
     context.warmup = warmup;
     context.iters = iters;
     choose_floor(o, &info, &context);
@@ -424,13 +424,13 @@ int epx__command_bench(int argc, char **argv)
         free(launch_only);
         return status;
     }
-    epx_status_t loaded = epx__params_load();
+    epx_status_t loaded = epx_params_load();
     if (loaded != EPX_SUCCESS) {
         free(launch_only);
         fprintf(stderr, "epx bench: %s: %s\n", epx_status_name(loaded), epx_last_error());
         return 1;
     }
-    int64_t launched_ranks = epx__param_int(EPX_PARAM_WORLD_SIZE);
+    int64_t launched_ranks = epx__tool_param_int("EPX_WORLD_SIZE");
     if (options.num_ranks > 0 && launched_ranks == 0) {
         status = relaunch(argc, argv, &options, launch_only);
         free(launch_only);

@@ -18,7 +18,6 @@
 #include <string.h>
 
 #include "bench.h"
-#include "internal.h"
 #include "moe_case.h"
 
 typedef struct {
@@ -363,12 +362,9 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
 void epx__bench_allgather(epx_group_t group, const void *mine, void *all, size_t bytes,
                           const char *what)
 {
-    if (group->world_size == 1 || group->bootstrap == NULL) {
-        memcpy(all, mine, bytes);
-        return;
-    }
-    epx__bench_must(group->rank, epx__bootstrap_allgather(group->bootstrap, mine, all, bytes),
-                    what);
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
+    epx__bench_must(info.rank, epx_group_allgather(group, mine, all, bytes), what);
 }
 
 /* Once per case, off the timed path. */
@@ -471,7 +467,7 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     bc.group = group;
     bc.options = options;
     bc.device = device;
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     bc.rank = info.rank;
     bc.world_size = info.world_size;

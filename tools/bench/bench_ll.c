@@ -742,7 +742,7 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
 {
     ll_case_t lc;
     memset(&lc, 0, sizeof(lc));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     lc.group = group;
     lc.options = options;
@@ -810,7 +810,7 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
 int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
                       epx__bench_device_t *device, const epx__bench_context_t *context)
 {
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = options->tokens;

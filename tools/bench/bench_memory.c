@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 
 #ifdef EPX_WITH_CUDA
 #include <cuda_runtime.h>
@@ -17,7 +17,7 @@
     do {                                                                                 \
         cudaError_t cuda_error_ = (call);                                                \
         if (cuda_error_ != cudaSuccess)                                                  \
-            return EPX_ERROR(EPX_ERR_CUDA, "bench: %s: %s", (what),                      \
+            return epx__tool_error(EPX_ERR_CUDA, "bench: %s: %s", (what),                      \
                              cudaGetErrorString(cuda_error_));                           \
     } while (0)
 #endif
@@ -49,7 +49,7 @@ epx_status_t epx__bench_device_init(epx__bench_device_t *device, epx_backend_t b
     return EPX_SUCCESS;
 #else
     (void)device_index;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: this epx was built without CUDA");
+    return epx__tool_error(EPX_ERR_UNSUPPORTED, "bench: this epx was built without CUDA");
 #endif
 }
 
@@ -84,7 +84,7 @@ epx_status_t epx__bench_alloc(const epx__bench_device_t *device, size_t bytes, v
             error = cudaStreamSynchronize(stream);
         if (error != cudaSuccess) {
             cudaFree(memory);
-            return EPX_ERROR(EPX_ERR_CUDA, "bench: cudaMemset: %s", cudaGetErrorString(error));
+            return epx__tool_error(EPX_ERR_CUDA, "bench: cudaMemset: %s", cudaGetErrorString(error));
         }
         *data = memory;
         return EPX_SUCCESS;
@@ -93,7 +93,7 @@ epx_status_t epx__bench_alloc(const epx__bench_device_t *device, size_t bytes, v
     (void)device;
     void *memory = calloc(1, bytes);
     if (memory == NULL)
-        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "bench: cannot allocate %zu bytes", bytes);
+        return epx__tool_error(EPX_ERR_OUT_OF_MEMORY, "bench: cannot allocate %zu bytes", bytes);
     *data = memory;
     return EPX_SUCCESS;
 }
@@ -187,7 +187,7 @@ epx_status_t epx__bench_graph_begin(epx__bench_device_t *device)
     }
 #endif
     (void)device;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+    return epx__tool_error(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
 }
 
 epx_status_t epx__bench_graph_end(epx__bench_device_t *device, void **graph)
@@ -207,7 +207,7 @@ epx_status_t epx__bench_graph_end(epx__bench_device_t *device, void **graph)
     }
 #endif
     (void)device;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+    return epx__tool_error(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
 }
 
 epx_status_t epx__bench_graph_launch(epx__bench_device_t *device, void *graph)
@@ -221,7 +221,7 @@ epx_status_t epx__bench_graph_launch(epx__bench_device_t *device, void *graph)
 #endif
     (void)device;
     (void)graph;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
+    return epx__tool_error(EPX_ERR_UNSUPPORTED, "bench: CUDA graphs need the CUDA backend");
 }
 
 void epx__bench_graph_destroy(void *graph)
@@ -237,7 +237,7 @@ void epx__bench_graph_destroy(void *graph)
 epx_status_t epx__bench_mark(epx__bench_device_t *device, int index)
 {
     if (index < 0 || index >= EPX__BENCH_MAX_MARKS)
-        return EPX_ERROR(EPX_ERR_INTERNAL, "bench: timestamp index %d out of range", index);
+        return epx__tool_error(EPX_ERR_INTERNAL, "bench: timestamp index %d out of range", index);
 #ifdef EPX_WITH_CUDA
     if (is_cuda(device)) {
         CUDA_CALL(cudaEventRecord((cudaEvent_t)device->events[index],
@@ -246,14 +246,14 @@ epx_status_t epx__bench_mark(epx__bench_device_t *device, int index)
         return EPX_SUCCESS;
     }
 #endif
-    device->host_marks[index] = epx__now_ns();
+    device->host_marks[index] = epx__tool_now_ns();
     return EPX_SUCCESS;
 }
 
 epx_status_t epx__bench_elapsed_us(epx__bench_device_t *device, int marks, double *durations_us)
 {
     if (marks < 2 || marks > EPX__BENCH_MAX_MARKS)
-        return EPX_ERROR(EPX_ERR_INTERNAL, "bench: %d timestamps", marks);
+        return epx__tool_error(EPX_ERR_INTERNAL, "bench: %d timestamps", marks);
 #ifdef EPX_WITH_CUDA
     if (is_cuda(device)) {
         CUDA_CALL(cudaStreamSynchronize((cudaStream_t)device->stream), "cudaStreamSynchronize");
@@ -286,9 +286,9 @@ double epx__bench_host_copy_bandwidth(size_t bytes)
     memset(dst, 0, bytes);
     int64_t best_ns = 0;
     for (int round = 0; round < 4; round++) {
-        int64_t start = epx__now_ns();
+        int64_t start = epx__tool_now_ns();
         memcpy(dst, src, bytes);
-        int64_t elapsed = epx__now_ns() - start;
+        int64_t elapsed = epx__tool_now_ns() - start;
         /* Read the copy back so the compiler cannot drop it. */
         src[round] = (char)(dst[bytes - 1 - (size_t)round] + 1);
         if (elapsed > 0 && (best_ns == 0 || elapsed < best_ns))

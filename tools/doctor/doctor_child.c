@@ -17,7 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 
 #define RESULT_MAGIC 0x65707864u /* "epxd" */
 
@@ -49,7 +49,7 @@ int epx__doctor_read_all(int fd, void *data, size_t bytes, int64_t deadline_ns)
 {
     char *p = data;
     while (bytes > 0) {
-        int64_t left_ms = (deadline_ns - epx__now_ns()) / 1000000;
+        int64_t left_ms = (deadline_ns - epx__tool_now_ns()) / 1000000;
         if (left_ms <= 0)
             return -1;
         struct pollfd waiting = {fd, POLLIN, 0};
@@ -78,7 +78,7 @@ int epx__doctor_wait_child(pid_t pid, int64_t deadline_ns)
             return status;
         if (done < 0 && errno != EINTR)
             return -1;
-        if (epx__now_ns() >= deadline_ns)
+        if (epx__tool_now_ns() >= deadline_ns)
             break;
         struct timespec pause = {0, 5 * 1000 * 1000};
         nanosleep(&pause, NULL);
@@ -188,7 +188,7 @@ int epx__doctor_run_child(epx__doctor_report_t *report, const char *name, double
     }
     fflush(stdout);
     fflush(stderr);
-    int64_t deadline = epx__now_ns() + (int64_t)(timeout_s * 1e9);
+    int64_t deadline = epx__tool_now_ns() + (int64_t)(timeout_s * 1e9);
     pid_t pid = fork();
     if (pid == 0) {
         close(result_pipe[0]);
@@ -209,7 +209,7 @@ int epx__doctor_run_child(epx__doctor_report_t *report, const char *name, double
     epx__doctor_report_t received = EPX__DOCTOR_REPORT_INIT;
     int read_ok = read_result(result_pipe[0], deadline, &received, facts, facts_size) == 0;
     close(result_pipe[0]);
-    int status = epx__doctor_wait_child(pid, read_ok ? epx__now_ns() + 5000000000LL : deadline);
+    int status = epx__doctor_wait_child(pid, read_ok ? epx__tool_now_ns() + 5000000000LL : deadline);
     int outcome = EPX__DOCTOR_CHILD_DONE;
     if (read_ok && status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
         for (int i = 0; i < received.count; i++)
@@ -351,13 +351,13 @@ int epx__doctor_run_program(char *const argv[], const char *input, char *output,
     }
     close(in_pipe[1]);
 
-    int64_t deadline = epx__now_ns() + (int64_t)(timeout_s * 1e9);
+    int64_t deadline = epx__tool_now_ns() + (int64_t)(timeout_s * 1e9);
     size_t out_used = 0, err_used = 0;
     int out_open = 1, err_open = 1;
-    while ((out_open || err_open) && epx__now_ns() < deadline) {
+    while ((out_open || err_open) && epx__tool_now_ns() < deadline) {
         struct pollfd fds[2] = {{out_open ? out_pipe[0] : -1, POLLIN, 0},
                                 {err_open ? err_pipe[0] : -1, POLLIN, 0}};
-        int64_t left_ms = (deadline - epx__now_ns()) / 1000000;
+        int64_t left_ms = (deadline - epx__tool_now_ns()) / 1000000;
         int ready = poll(fds, 2, left_ms > 1000 ? 1000 : (int)(left_ms > 0 ? left_ms : 1));
         if (ready < 0 && errno != EINTR)
             break;
@@ -370,7 +370,7 @@ int epx__doctor_run_program(char *const argv[], const char *input, char *output,
     }
     close(out_pipe[0]);
     close(err_pipe[0]);
-    int status = epx__doctor_wait_child(pid, out_open || err_open ? epx__now_ns() : deadline);
+    int status = epx__doctor_wait_child(pid, out_open || err_open ? epx__tool_now_ns() : deadline);
     if (status < 0) {
         if (timed_out != NULL)
             *timed_out = 1;

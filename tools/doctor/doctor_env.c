@@ -1,6 +1,6 @@
 /*
- * `epx doctor` settings checks: the EPX_* tunables in force (through the one table in
- * src/core/params.c), the NVSHMEM_* variables that decide whether and how fast
+ * `epx doctor` settings checks: the EPX_* tunables in force (the library's one table,
+ * read through include/epx_tool.h), the NVSHMEM_* variables that decide whether and how fast
  * NVSHMEM runs, and whether the buffer the user plans (the standard case unless told)
  * fits in GPU memory, or in /dev/shm on the CPU backend.
  */
@@ -11,36 +11,20 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 #include "doctor_checks.h"
 #include "doctor_child.h"
 #include "doctor_parse.h"
-#include "internal.h"
 
 #define NVSHMEM_DEFAULT_HEAP ((uint64_t)1 << 30)
 
 /* ---------------------------------------------------------------- EPX_* */
 
-typedef struct {
-    const char *name;
-    epx_param_id_t id;
-    int is_int;
-    int64_t int_default;
-    const char *string_default;
-} param_row_t;
-
-#define ROW_INT(name, def) {"EPX_" #name, EPX_PARAM_##name, 1, (int64_t)(def), ""},
-#define ROW_STRING(name, def) {"EPX_" #name, EPX_PARAM_##name, 0, 0, (def)},
-#define ROW(name, type, def, min, max, doc) ROW_##type(name, def)
-static const param_row_t param_rows[] = {EPX_PARAM_MAP(ROW)};
-#undef ROW
-#undef ROW_STRING
-#undef ROW_INT
-
 static int known_param(const char *name, size_t length)
 {
-    for (size_t i = 0; i < sizeof(param_rows) / sizeof(param_rows[0]); i++) {
-        if (strlen(param_rows[i].name) == length && strncmp(param_rows[i].name, name, length) == 0)
+    epx_param_info_t info = EPX_PARAM_INFO_INIT;
+    for (int i = 0; epx_param_info(i, &info) == EPX_SUCCESS; i++) {
+        if (strlen(info.name) == length && strncmp(info.name, name, length) == 0)
             return 1;
     }
     return 0;
@@ -48,7 +32,7 @@ static int known_param(const char *name, size_t length)
 
 static void check_epx_params(epx__doctor_report_t *report)
 {
-    epx_status_t status = epx__params_load();
+    epx_status_t status = epx_params_load();
     if (status != EPX_SUCCESS) {
         epx__doctor_add(report, "env.epx", EPX__DOCTOR_FAIL,
                         "correct or unset that variable; `epx params` lists every EPX_* setting "
@@ -59,26 +43,26 @@ static void check_epx_params(epx__doctor_report_t *report)
     char detail[EPX__DOCTOR_DETAIL_MAX];
     size_t used = (size_t)snprintf(detail, sizeof(detail),
                                    "in force: EPX_TIMEOUT_MS=%lld, EPX_NUM_SMS=%lld, EPX_BACKEND=%s",
-                                   (long long)epx__param_int(EPX_PARAM_TIMEOUT_MS),
-                                   (long long)epx__param_int(EPX_PARAM_NUM_SMS),
-                                   epx__param_string(EPX_PARAM_BACKEND));
+                                   (long long)epx__tool_param_int("EPX_TIMEOUT_MS"),
+                                   (long long)epx__tool_param_int("EPX_NUM_SMS"),
+                                   epx__tool_param_string("EPX_BACKEND"));
     int changed = 0;
-    for (size_t i = 0; i < sizeof(param_rows) / sizeof(param_rows[0]); i++) {
-        const param_row_t *row = &param_rows[i];
+    epx_param_info_t row = EPX_PARAM_INFO_INIT;
+    for (int i = 0; epx_param_info(i, &row) == EPX_SUCCESS; i++) {
         char value[128];
-        if (row->is_int) {
-            if (epx__param_int(row->id) == row->int_default)
+        if (row.is_int) {
+            if (row.int_value == row.int_default)
                 continue;
-            snprintf(value, sizeof(value), "%lld", (long long)epx__param_int(row->id));
+            snprintf(value, sizeof(value), "%lld", (long long)row.int_value);
         } else {
-            if (strcmp(epx__param_string(row->id), row->string_default) == 0)
+            if (strcmp(row.string_value, row.string_default) == 0)
                 continue;
-            snprintf(value, sizeof(value), "%s", epx__param_string(row->id));
+            snprintf(value, sizeof(value), "%s", row.string_value);
         }
         if (used < sizeof(detail))
             used += (size_t)snprintf(detail + used, sizeof(detail) - used, "%s %s=%s",
                                      changed++ == 0 ? "\nchanged from the defaults:" : ",",
-                                     row->name, value);
+                                     row.name, value);
     }
     /* Names only, never values: params.c is the one reader of EPX_* values. It warns
      * about unknown names in the log too; here they become part of the checklist. */
@@ -191,29 +175,21 @@ typedef struct {
 } size_facts_t;
 
 /*
- * In a child, because a backend may initialise CUDA to answer. epx_buffer_size only
- * reads the group's shape, so a group that was never created, with the world size
- * asked about, answers for any rank count without starting any rank.
+ * In a child, because a backend may initialise CUDA to answer. epx_buffer_size_plan
+ * answers for a group that is not formed, so any rank count, without starting a rank.
  */
 static void compute_size(epx__doctor_report_t *report, void *arg, void *facts_out)
 {
     (void)report;
     const size_arg_t *size = arg;
     size_facts_t *facts = facts_out;
-    struct epx_group group;
-    memset(&group, 0, sizeof(group));
-    group.world_size = size->world;
-    group.ranks_per_node = size->world;
-    group.backend = size->backend;
-    group.device = size->backend == EPX_BACKEND_CUDA ? 0 : -1;
-    group.timeout_ms = 30000;
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = size->context->tokens;
     config.hidden = size->context->hidden;
     config.num_experts = size->context->experts;
     config.num_topk = size->context->topk;
     size_t bytes = 0;
-    epx_status_t status = epx_buffer_size(&group, &config, &bytes);
+    epx_status_t status = epx_buffer_size_plan(size->backend, size->world, 0, &config, &bytes);
     facts->ok = status == EPX_SUCCESS;
     facts->bytes = bytes;
     if (!facts->ok)

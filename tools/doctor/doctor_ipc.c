@@ -21,7 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 #include "doctor_checks.h"
 #include "doctor_child.h"
 #include "doctor_cuda.h"
@@ -202,7 +202,7 @@ static void coordinate(epx__doctor_report_t *report, void *arg, void *facts)
                         "cannot create pipes: %s", strerror(errno));
         return;
     }
-    int64_t deadline = epx__now_ns() + (int64_t)((context->timeout_s - 3.0) * 1e9);
+    int64_t deadline = epx__tool_now_ns() + (int64_t)((context->timeout_s - 3.0) * 1e9);
     pid_t pids[2] = {-1, -1};
     for (int role = 0; role < 2; role++) {
         worker_t worker = {role, ordinals[role], role == 0 ? a_to_b[1] : b_to_a[1],
@@ -225,7 +225,7 @@ static void coordinate(epx__doctor_report_t *report, void *arg, void *facts)
     }
     for (int role = 0; role < 2; role++) {
         if (pids[role] > 0)
-            epx__doctor_wait_child(pids[role], epx__now_ns() + 2000000000LL);
+            epx__doctor_wait_child(pids[role], epx__tool_now_ns() + 2000000000LL);
     }
     close_pair(a_to_b);
     close_pair(b_to_a);

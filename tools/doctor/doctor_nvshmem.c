@@ -26,15 +26,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 #include "doctor_checks.h"
 #include "doctor_child.h"
 #include "doctor_cuda.h"
 #include "doctor_parse.h"
 #include "epx.h"
-#ifdef EPX_WITH_CUDA
-#include "ops/cuda/ll.h"
-#endif
 
 #define HOST_LIBRARY "libnvshmem_host.so.3"
 #define DEVICE_IMAGE_VENV "/opt/torch/.venv/lib/python3.12/site-packages"
@@ -180,9 +177,9 @@ static void probe_ll_plugin(epx__doctor_report_t *report, void *arg, void *facts
     (void)report;
     (void)arg;
     ll_plugin_facts_t *facts = facts_out;
-    const char *path = NULL;
+    char path[PATH_MAX];
     int version[3] = {0, 0, 0};
-    if (epx__cuda_ll_plugin_load(&path, version) != EPX_SUCCESS) {
+    if (epx_nvshmem_plugin_probe(path, sizeof(path), version) != EPX_SUCCESS) {
         snprintf(facts->message, sizeof(facts->message), "%s", epx_last_error());
         return;
     }
@@ -242,7 +239,7 @@ static void check_ll_plugin(epx__doctor_report_t *report, const epx__doctor_cont
     if (epx__doctor_run_child(report, "nvshmem.plugin", context->timeout_s, probe_ll_plugin, NULL,
                               &facts, sizeof(facts)) != EPX__DOCTOR_CHILD_DONE)
         return;
-    const char *forced = epx__param_string(EPX_PARAM_NVSHMEM_PLUGIN);
+    const char *forced = epx__tool_param_string("EPX_NVSHMEM_PLUGIN");
     if (forced == NULL)
         forced = "";
     if (!facts.loaded && !ll_plugin_missing(facts.message, forced)) {
@@ -466,7 +463,7 @@ static void run_pe(const pe_worker_t *worker)
     attr.args.version = ABI_VERSION(sizeof(attr.args));
     attr.args.uid_args.version = ABI_VERSION(sizeof(attr.args.uid_args));
     set_uid_args(worker->rank, 2, &id, &attr);
-    int64_t start = epx__now_ns();
+    int64_t start = epx__tool_now_ns();
     if ((status = init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr)) != 0) {
         char tail[200];
         epx__doctor_child_output_tail(tail, sizeof(tail));
@@ -474,7 +471,7 @@ static void run_pe(const pe_worker_t *worker)
                  status, tail[0] ? "; NVSHMEM printed: " : "", tail);
         goto done;
     }
-    result.init_ms = (double)(epx__now_ns() - start) / 1e6;
+    result.init_ms = (double)(epx__tool_now_ns() - start) / 1e6;
     result.my_pe = my_pe();
     result.n_pes = n_pes();
     void *memory = symmetric_malloc(4096); /* collective: both PEs must get here */
@@ -514,7 +511,7 @@ static void coordinate_bootstrap(epx__doctor_report_t *report, void *arg, void *
         return;
     }
     int gpus = context->gpu.gpu_count;
-    int64_t deadline = epx__now_ns() + (int64_t)((context->timeout_s - 3.0) * 1e9);
+    int64_t deadline = epx__tool_now_ns() + (int64_t)((context->timeout_s - 3.0) * 1e9);
     pid_t pids[2];
     for (int rank = 0; rank < 2; rank++) {
         pe_worker_t worker = {bootstrap->library, rank, gpus >= 2 ? rank : 0, uid_pipe[1],
@@ -534,7 +531,7 @@ static void coordinate_bootstrap(epx__doctor_report_t *report, void *arg, void *
     }
     for (int rank = 0; rank < 2; rank++) {
         if (pids[rank] > 0)
-            epx__doctor_wait_child(pids[rank], epx__now_ns() + 2000000000LL);
+            epx__doctor_wait_child(pids[rank], epx__tool_now_ns() + 2000000000LL);
     }
     for (int rank = 0; rank < 2; rank++) {
         if (!got[rank].ok) {

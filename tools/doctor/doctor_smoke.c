@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 #include "doctor_checks.h"
 #include "doctor_child.h"
 #include "doctor_parse.h"
@@ -152,10 +152,10 @@ void epx__doctor_check_smoke(epx__doctor_report_t *report, epx__doctor_context_t
                                  i == 0 ? "epx" : argv[i]);
     static char output[65536], errors[16384];
     int timed_out = 0;
-    int64_t start = epx__now_ns();
+    int64_t start = epx__tool_now_ns();
     int status = epx__doctor_run_program(argv, NULL, output, sizeof(output), errors,
                                          sizeof(errors), SMOKE_TIMEOUT_S, &timed_out);
-    double seconds = (double)(epx__now_ns() - start) / 1e9;
+    double seconds = (double)(epx__tool_now_ns() - start) / 1e9;
     char tail[400];
     last_line(errors, tail, sizeof(tail));
     if (status == 2 && (strstr(errors, "unknown command") || strstr(errors, "unknown option"))) {

@@ -18,7 +18,7 @@
 
 #include "common/args.h"
 #include "common/commands.h"
-#include "core/core.h"
+#include "common/tool.h"
 #include "epx.h"
 #include "launch.h"
 
@@ -191,7 +191,7 @@ static void stop_mps(const char *root, int keep_logs)
 
 int epx__launch_run(const epx__launch_options_t *options)
 {
-    epx_status_t status = epx__params_load();
+    epx_status_t status = epx_params_load();
     if (status != EPX_SUCCESS) {
         fprintf(stderr, "epx launch: %s: %s\n", epx_status_name(status), epx_last_error());
         return 1;

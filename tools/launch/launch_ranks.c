@@ -23,7 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "core/core.h"
+#include "common/tool.h"
 #include "launch.h"
 
 /* After SIGTERM, ranks get this long to exit before SIGKILL. */
@@ -228,7 +228,7 @@ static void signal_all(monitor_t *monitor, int sig)
 static void stop_all(monitor_t *monitor, int sig)
 {
     signal_all(monitor, sig);
-    int64_t kill_at = epx__now_ns() + KILL_GRACE_NS;
+    int64_t kill_at = epx__tool_now_ns() + KILL_GRACE_NS;
     if (monitor->kill_at_ns == 0 || kill_at < monitor->kill_at_ns)
         monitor->kill_at_ns = kill_at;
 }
@@ -475,7 +475,7 @@ static void poll_once(monitor_t *monitor, struct pollfd *fds, stream_t **owners,
 static void supervise(monitor_t *monitor, struct pollfd *fds, stream_t **owners)
 {
     while (monitor->running_count > 0) {
-        int64_t now = epx__now_ns();
+        int64_t now = epx__tool_now_ns();
         check_deadlines(monitor, now);
         poll_once(monitor, fds, owners, 1, poll_timeout_ms(monitor, now));
         handle_signals(monitor);
@@ -483,12 +483,12 @@ static void supervise(monitor_t *monitor, struct pollfd *fds, stream_t **owners)
     }
     /* Every rank has exited; forward what their pipes still hold. A pipe a rank's
      * background child keeps open is let go after a short wait. */
-    int64_t give_up = epx__now_ns() + FINAL_DRAIN_NS;
+    int64_t give_up = epx__tool_now_ns() + FINAL_DRAIN_NS;
     for (;;) {
         int open = 0;
         for (int r = 0; r < monitor->options->num_ranks; r++)
             open += (monitor->ranks[r].streams[0].fd >= 0) + (monitor->ranks[r].streams[1].fd >= 0);
-        int64_t left = give_up - epx__now_ns();
+        int64_t left = give_up - epx__tool_now_ns();
         if (open == 0 || left <= 0)
             break;
         poll_once(monitor, fds, owners, 0, (int)(left / 1000000) + 1);
@@ -563,7 +563,7 @@ int epx__launch_ranks(const epx__launch_options_t *options, const char *unique_i
 
     int start_failed = 0;
     if (options->timeout_s > 0)
-        monitor.deadline_ns = epx__now_ns() + (int64_t)(options->timeout_s * 1e9);
+        monitor.deadline_ns = epx__tool_now_ns() + (int64_t)(options->timeout_s * 1e9);
     for (int r = 0; r < n && !start_failed; r++)
         start_failed = start_rank(&monitor, r, unique_id) != 0;
     if (start_failed && monitor.running_count > 0)

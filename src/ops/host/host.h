@@ -26,7 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "ops/backend.h"
 #include "transport/shm/shm.h"
 
 /* Byte offsets of the arrays in one rank's data area (all 64-byte aligned). */

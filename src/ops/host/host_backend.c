@@ -116,7 +116,8 @@ static epx_status_t epx__host_buffer_create(epx_buffer_t buffer)
                          group->rank);
     }
     host->layout = layout;
-    epx_status_t status = epx__shm_create(group, layout.total, &host->shm);
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    epx_status_t status = epx__shm_create(&ranks, layout.total, &host->shm);
     if (status != EPX_SUCCESS) {
         epx__host_free(host);
         return status;
@@ -135,8 +136,9 @@ static epx_status_t epx__host_buffer_create(epx_buffer_t buffer)
     return EPX_SUCCESS;
 }
 
-static void epx__host_buffer_destroy(epx_buffer_t buffer)
+static void epx__host_buffer_destroy(epx_buffer_t buffer, int all_ready)
 {
+    (void)all_ready; /* nothing here is freed collectively */
     /* No barrier: a peer still reading this rank's segment keeps its own mapping, and
      * the memory is released only when the last mapping goes. */
     epx__host_free(buffer->impl);
@@ -202,6 +204,7 @@ epx_status_t epx__host_check_calls(const epx__host_buffer_t *host, int rank, int
 
 const epx__backend_ops_t epx__host_backend = {
     .name = "host",
+    .caps = EPX__BACKEND_HOST_TENSORS,
     .buffer_size = epx__host_buffer_size,
     .buffer_create = epx__host_buffer_create,
     .buffer_destroy = epx__host_buffer_destroy,

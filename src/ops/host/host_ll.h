@@ -25,7 +25,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "ops/backend.h"
 #include "transport/shm/shm.h"
 
 enum {

@@ -117,7 +117,8 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY,
                          "buffer: no host memory for rank %d's low-latency scratch", group->rank);
     }
-    epx_status_t status = epx__shm_create(group, ll->layout.total, &ll->shm);
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    epx_status_t status = epx__shm_create(&ranks, ll->layout.total, &ll->shm);
     if (status != EPX_SUCCESS) {
         ll->shm = NULL;
         epx__host_ll_destroy(ll);

@@ -18,21 +18,11 @@ typedef struct {
 } ipc_vote_t;
 
 /* Every rank learns every rank's status; the first failing rank is named. */
-static epx_status_t gather_votes(epx_group_t group, const ipc_vote_t *mine, ipc_vote_t *all,
-                                 const char *step)
+static epx_status_t gather_votes(const epx__transport_ranks_t *group, epx_status_t local,
+                                 ipc_vote_t *mine, ipc_vote_t *all, const char *step)
 {
-    char message[512];
-    snprintf(message, sizeof(message), "%s", epx_last_error());
-    epx_status_t status = epx__bootstrap_allgather(group->bootstrap, mine, all, sizeof(*mine));
-    if (status != EPX_SUCCESS)
-        return status;
-    if (mine->status != EPX_SUCCESS)
-        return EPX_ERROR((epx_status_t)mine->status, "%s", message);
-    for (int r = 0; r < group->world_size; r++)
-        if (all[r].status != EPX_SUCCESS)
-            return EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d failed to %s (%s)", r, step,
-                             epx_status_string((epx_status_t)all[r].status));
-    return EPX_SUCCESS;
+    return epx__bootstrap_vote(group->bootstrap, group->world_size, local, mine, all,
+                               sizeof(*mine), "buffer_create", step);
 }
 
 /* This rank's region, zeroed, and its IPC handle. */
@@ -69,8 +59,8 @@ static epx_status_t open_peers(epx__cuda_ipc_t *ipc, const ipc_vote_t *votes)
     return EPX_SUCCESS;
 }
 
-epx_status_t epx__cuda_ipc_create(epx_group_t group, size_t bytes, epx_status_t local_status,
-                                  epx__cuda_ipc_t **out)
+epx_status_t epx__cuda_ipc_create(const epx__transport_ranks_t *group, size_t bytes,
+                                  epx_status_t local_status, epx__cuda_ipc_t **out)
 {
     int world = group->world_size;
     epx__cuda_ipc_t *ipc = calloc(1, sizeof(*ipc));
@@ -92,14 +82,14 @@ epx_status_t epx__cuda_ipc_create(epx_group_t group, size_t bytes, epx_status_t 
     ipc_vote_t mine;
     memset(&mine, 0, sizeof(mine));
     mine.device = group->device;
-    mine.status = local_status != EPX_SUCCESS ? local_status : allocate_region(ipc, &mine);
-    epx_status_t status = gather_votes(group, &mine, votes, "allocate its buffer");
+    epx_status_t status = local_status != EPX_SUCCESS ? local_status : allocate_region(ipc, &mine);
+    status = gather_votes(group, status, &mine, votes, "failed to allocate its buffer");
     if (status == EPX_SUCCESS) {
         ipc_vote_t opened;
         memset(&opened, 0, sizeof(opened));
         opened.device = group->device;
-        opened.status = open_peers(ipc, votes);
-        status = gather_votes(group, &opened, results, "map its peers' buffers");
+        status = gather_votes(group, open_peers(ipc, votes), &opened, results,
+                              "failed to map its peers' buffers");
     }
     free(votes);
     free(results);

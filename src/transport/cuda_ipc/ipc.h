@@ -13,7 +13,8 @@
 
 #include <stddef.h>
 
-#include "internal.h"
+#include "core/core.h"
+#include "transport/transport.h"
 
 typedef struct {
     int rank;
@@ -24,12 +25,12 @@ typedef struct {
 } epx__cuda_ipc_t;
 
 /*
- * Collective over group->bootstrap, with group->device current. Every rank of the
+ * Collective over ranks->bootstrap, with ranks->device current. Every rank of the
  * group must be in this node's IPC domain. The region is zeroed and the zeroing has
  * completed on every rank when this returns. A rank that already failed passes its
  * status as `local_status`: it still takes part, so every rank returns an error.
  */
-epx_status_t epx__cuda_ipc_create(epx_group_t group, size_t bytes, epx_status_t local_status,
+epx_status_t epx__cuda_ipc_create(const epx__transport_ranks_t *ranks, size_t bytes, epx_status_t local_status,
                                   epx__cuda_ipc_t **ipc);
 /* Close the peers' mappings and free the region. Local: callers make sure that no
  * peer still uses it (a barrier first). NULL is a no-op. */

@@ -206,7 +206,8 @@ static void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *r
     }
 }
 
-epx_status_t epx__shm_create(epx_group_t group, size_t bytes_per_rank, epx__shm_t **out)
+epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_per_rank,
+                             epx__shm_t **out)
 {
     int world = group->world_size;
     epx__shm_record_t *records = calloc((size_t)world, sizeof(*records));

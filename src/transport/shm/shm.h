@@ -17,16 +17,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "internal.h"
+#include "core/core.h"
+#include "transport/transport.h"
 
 typedef struct epx__shm epx__shm_t;
 
 /*
- * Collective over the group's bootstrap: create this rank's segment with a data area of
+ * Collective over the ranks' bootstrap: create this rank's segment with a data area of
  * `bytes_per_rank` bytes (zeroed), map every peer's. On failure every rank returns an
  * error and nothing stays mapped or linked.
  */
-epx_status_t epx__shm_create(epx_group_t group, size_t bytes_per_rank, epx__shm_t **shm);
+epx_status_t epx__shm_create(const epx__transport_ranks_t *ranks, size_t bytes_per_rank,
+                             epx__shm_t **shm);
 
 /*
  * Wait until every rank has reached the same barrier. Memory written before the barrier

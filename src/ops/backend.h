@@ -1,28 +1,26 @@
 /*
- * The library's internal objects and the interface every backend implements.
- * Entry points (src/epx.c) validate arguments, then call the backend through
- * epx__backend_ops_t; backends may rely on arguments being checked.
+ * The backend interface: the one header between the API layer (the .c files directly
+ * in src/) and the backends (src/ops/host, src/ops/cuda).
+ *
+ * It holds the objects both sides read (buffers, handles; the group is ops/group.h),
+ * the table every backend fills (epx__backend_ops_t: entry points, optional hooks and
+ * capability flags, so the API layer asks what a backend can do instead of which
+ * backend it is), and the few services a backend may call, defined beside it in
+ * src/ops/backend.c. Entry points validate arguments, then call the backend through the
+ * table; backends may rely on arguments being checked. Nothing here calls up into the
+ * API layer.
  */
-#ifndef EPX_INTERNAL_H
-#define EPX_INTERNAL_H
+#ifndef EPX_OPS_BACKEND_H
+#define EPX_OPS_BACKEND_H
 
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "bootstrap/bootstrap.h"
 #include "core/core.h"
+#include "core/fp8.h"
+#include "core/tensor.h"
 #include "epx.h"
-
-struct epx_group {
-    int rank;
-    int world_size;
-    int local_rank;
-    int ranks_per_node; /* resolved: world_size when the config said 0 */
-    epx_backend_t backend; /* resolved, never AUTO */
-    int device;            /* -1 for host */
-    int64_t timeout_ms;    /* resolved: never 0 */
-    epx__bootstrap_t *bootstrap;
-};
+#include "ops/group.h"
 
 typedef struct epx__backend_ops epx__backend_ops_t;
 
@@ -92,19 +90,33 @@ struct epx_handle {
     void (*backend_free)(struct epx_handle *handle);
 };
 
-/* Allocate a handle with its arrays sized (contents zeroed); NULL on out of memory. */
-struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
-                                     int64_t num_recv_tokens);
-void epx__handle_free(struct epx_handle *handle);
-
 struct epx__backend_ops {
     const char *name;
+    unsigned caps; /* EPX__BACKEND_* */
+
+    /* ---- groups (optional) */
+    /* Devices this backend can use (EPX_BACKEND_AUTO picks the backend that has some). */
+    int (*device_count)(void);
+    /* The group is being destroyed, after its buffers (collective where the backend set
+     * up something process-wide through this group, such as NVSHMEM). */
+    void (*group_destroy)(epx_group_t group);
+
+    /* ---- buffers */
     /* Bytes one rank allocates for this config. */
     epx_status_t (*buffer_size)(epx_group_t group, const epx_buffer_config_t *config,
                                 size_t *bytes);
     /* Collective: fill buffer->impl. The generic fields of `buffer` are set. */
     epx_status_t (*buffer_create)(epx_buffer_t buffer);
-    void (*buffer_destroy)(epx_buffer_t buffer);
+    /*
+     * Optional (NULL = always ready): before epx_buffer_destroy's vote, finish this rank's
+     * queued work, record any failure the backend saw (buffer->async_error), and say
+     * whether this rank may take part in freeing memory allocated collectively (0 when a
+     * peer is masked or lost).
+     */
+    int (*destroy_ready)(epx_buffer_t buffer);
+    /* Free the buffer's state. `all_ready`: every rank voted ready (collective frees are
+     * safe); 0 when the vote failed, was skipped, or some rank was not ready. */
+    void (*buffer_destroy)(epx_buffer_t buffer, int all_ready);
     /*
      * Tell the peers that this rank failed inside a collective operation (so their
      * waits end with EPX_ERR_REMOTE naming this rank instead of a timeout).
@@ -159,28 +171,34 @@ struct epx__backend_ops {
     int ll_row_align;
 };
 
+/* The tables (src/ops/host, src/ops/cuda). */
 extern const epx__backend_ops_t epx__host_backend;
 #ifdef EPX_WITH_CUDA
 extern const epx__backend_ops_t epx__cuda_backend;
-/* Nonzero when a CUDA device is visible (used by EPX_BACKEND_AUTO). */
-int epx__cuda_device_count(void);
-/*
- * The group is being destroyed: when it is the one that set NVSHMEM up, finalise NVSHMEM
- * if every rank agrees it is safe (collective then; src/ops/cuda/ll_setup.c).
- */
-void epx__cuda_ll_group_destroy(epx_group_t group);
 #endif
 
+/* The table of `backend`; NULL when this build has none (or for EPX_BACKEND_AUTO). */
+const epx__backend_ops_t *epx__backend_find(epx_backend_t backend);
+
+/* ---------------------------------------------------------------- capabilities */
+
 /*
- * A buffer operation's bookkeeping, shared by the normal and low-latency entry points:
- * refuse to run on a buffer that already failed (a device-side failure counts), and
- * record this rank's failure inside a collective and tell the peers (returns `status`).
+ * The backend's tensors are in host memory, so the API layer checks values the caller
+ * passed (expert ids in topk_idx) before the call. A backend without it checks them
+ * itself where the data lies (the CUDA kernels record a bad id as a device failure).
  */
-epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op);
-epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
+#define EPX__BACKEND_HOST_TENSORS 0x1u
+
+
+/* ---------------------------------------------------------------- services (src/ops/backend.c) */
 
 /* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
 void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
+
+/* Allocate a handle with its arrays sized (contents zeroed); NULL on out of memory. */
+struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
+                                     int64_t num_recv_tokens);
+void epx__handle_free(struct epx_handle *handle);
 
 /*
  * A low-latency dispatch's result views, laid out alike by every backend (M * R rows per
@@ -192,18 +210,4 @@ void epx__ll_dispatch_views(epx_buffer_t buffer, const epx_ll_dispatch_args_t *a
                             void *recv_scales, void *recv_count, void *src_info, void *range,
                             epx_ll_dispatch_result_t *result);
 
-/* ---------------------------------------------------------------- validation */
-
-/* Element at [i][j] of a 2-d tensor with its strides resolved (contiguous if 0). */
-int64_t epx__tensor_row_stride(const epx_tensor_t *tensor);
-int epx__tensor_given(const epx_tensor_t *tensor);
-
-/*
- * Check a tensor argument: given, dtype, ndim, shape (a dimension of -1 = any), inner
- * dimension contiguous. Errors name the argument: "dispatch: x has dtype fp32, expected
- * bf16 or fp8_e4m3".
- */
-epx_status_t epx__check_tensor(const char *op, const char *name, const epx_tensor_t *tensor,
-                               epx_dtype_t dtype, int ndim, int64_t dim0, int64_t dim1);
-
-#endif /* EPX_INTERNAL_H */
+#endif /* EPX_OPS_BACKEND_H */
