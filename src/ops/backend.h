@@ -17,7 +17,7 @@
 #include <stdint.h>
 
 #include "core/core.h"
-#include "core/fp8.h"
+#include "core/constants.h"
 #include "core/tensor.h"
 #include "epx.h"
 #include "ops/group.h"

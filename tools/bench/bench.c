@@ -22,7 +22,7 @@
 #include "common/tool.h"
 #include "launch/launch.h"
 
-/* Stated in the table header whenever it is used (DESIGN.md section 5). */
+/* Stated in the table header whenever it is used (docs/DESIGN.md section 5). */
 #define CUDA_FLOOR_GBPS 4250.0
 #define HOST_FLOOR_COPY_BYTES ((size_t)256 << 20)
 
@@ -37,7 +37,7 @@ static const char bench_usage[] =
     "send and its epx_ll_receive (ops dispatch_send, dispatch_recv, ...).\n"
     "Run inside `epx launch`, or give -n N to have it launch itself.\n"
     "\n"
-    "options (defaults: the standard case of DESIGN.md for the mode):\n"
+    "options (defaults: the standard case of docs/DESIGN.md for the mode):\n"
     "  --mode M          normal or ll (normal)\n"
     "  --tokens N        tokens per rank (normal 4096; ll 128, also max_low_latency_tokens)\n"
     "  --hidden N        elements per token (7168)\n"

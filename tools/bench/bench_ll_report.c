@@ -1,6 +1,6 @@
 /*
  * What `epx bench --mode ll` prints: latency in microseconds as DeepEP reports it for
- * its low-latency kernels (DESIGN.md section 5), per op the median, p99 and mean of
+ * its low-latency kernels (docs/DESIGN.md section 5), per op the median, p99 and mean of
  * rank 0 and of the slowest rank, the bytes each rank sends, the buffer memory, and the
  * one-GPU floor; as a table with a header or as one JSON object per line.
  */

@@ -1,6 +1,6 @@
 /*
  * Bench output. The metrics are the ones DeepEP prints, so numbers compare across
- * projects (DESIGN.md section 5): bytes a rank receives (dispatch) or sends (combine)
+ * projects (docs/DESIGN.md section 5): bytes a rank receives (dispatch) or sends (combine)
  * divided by the op's time is the "bottleneck bandwidth"; the floor is the time to read
  * and write every rank's bytes once at the copy bandwidth, since on one GPU all ranks
  * share the same memory.

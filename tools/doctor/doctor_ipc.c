@@ -12,7 +12,7 @@
  * gives up after a deadline, so a broken mapping is a timeout, never a hang.
  *
  * When two processes share a GPU without MPS, the GPU time-slices between them and a
- * round trip takes milliseconds instead of microseconds (DESIGN.md section 4 measured
+ * round trip takes milliseconds instead of microseconds (docs/DESIGN.md section 4 measured
  * 4.5 ms against 7.3 us): the line says so.
  */
 #include <errno.h>

@@ -2,7 +2,7 @@
  * `epx launch`: the command line, the unique id and the optional CUDA MPS daemon.
  * Starting and supervising the ranks is in launch_ranks.c.
  *
- * MPS matters because several ranks usually share one GPU here (DESIGN.md section 4):
+ * MPS matters because several ranks usually share one GPU here (docs/DESIGN.md section 4):
  * without it the GPU time-slices between processes and a cross-process flag round trip
  * takes milliseconds instead of microseconds.
  */

@@ -272,7 +272,7 @@ static void exec_rank(const epx__launch_options_t *options, int rank, const char
     }
     if (options->backend != NULL)
         setenv("EPX_BACKEND", options->backend, 1);
-    /* Multicast objects fail when several ranks share one GPU (DESIGN.md section 4). */
+    /* Multicast objects fail when several ranks share one GPU (docs/DESIGN.md section 4). */
     setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
     setenv("NCCL_NVLS_ENABLE", "0", 0);
 

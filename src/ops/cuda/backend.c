@@ -111,9 +111,9 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     s->off_x = off = align_up(off, EPX_CUDA_REGION_ALIGN);
     off += rows * s->x_pitch_max;
     s->off_scales = -1;
-    if (s->hidden % 128 == 0) {
+    if (s->hidden % EPX__FP8_BLOCK == 0) {
         s->off_scales = off = align_up(off, EPX_CUDA_REGION_ALIGN);
-        off += rows * (s->hidden / 128) * 4;
+        off += rows * (s->hidden / EPX__FP8_BLOCK) * 4;
     }
     s->off_topk_idx = off = align_up(off, EPX_CUDA_REGION_ALIGN);
     off += rows * K * 8;
@@ -428,5 +428,5 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
     .normal_available = epx__cuda_require_normal,
-    .ll_row_align = 16,
+    .ll_row_align = EPX__VECTOR_BYTES,
 };

@@ -60,7 +60,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     if (m <= 0)
         return EPX_SUCCESS;
     int R = group->world_size;
-    if (config->hidden % 8 != 0)
+    if (config->hidden % (EPX__VECTOR_BYTES / 2) != 0) /* bf16 rows in whole vectors */
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "buffer: low-latency mode on the CUDA backend moves 16-byte vectors, so "
                          "hidden must be a multiple of 8 (config has %lld)",
@@ -84,7 +84,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->hidden = config->hidden;
     s->max_tokens = m;
     s->rows = m * R;
-    s->scale_cols = config->hidden % 128 == 0 ? config->hidden / 128 : 0;
+    s->scale_cols = config->hidden % EPX__FP8_BLOCK == 0 ? config->hidden / EPX__FP8_BLOCK : 0;
     s->timeout_ns = group->timeout_ms * 1000000;
     s->x_row_bytes = (size_t)config->hidden * (config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 ? 1 : 2);
     /* Puts (and their staging memory) only where some peer may lack a direct pointer. */

@@ -1,5 +1,5 @@
 /*
- * The host (CPU) backend: DESIGN.md section 2 on host memory, ranks as processes that
+ * The host (CPU) backend: docs/DESIGN.md section 2 on host memory, ranks as processes that
  * share POSIX shared memory (src/transport/shm/shm.h). Internal to src/ops/host.
  *
  * Each rank's segment holds, at fixed offsets (epx__host_layout_t):

@@ -35,7 +35,7 @@ epx_status_t epx__host_layout(int world_size, const epx_buffer_config_t *config,
     int failed = __builtin_mul_overflow(config->max_tokens_per_rank, (int64_t)world_size, &rows) ||
                  __builtin_mul_overflow(hidden, (int64_t)2, &x_row_bytes);
     l.capacity = rows;
-    l.scale_cols = hidden % 128 == 0 ? hidden / 128 : 0;
+    l.scale_cols = hidden % EPX__FP8_BLOCK == 0 ? hidden / EPX__FP8_BLOCK : 0;
     size_t cursor = 0;
     int64_t cells;
     failed = failed || epx__host_place(&cursor, &l.call, 1, sizeof(epx__host_call_t)) ||

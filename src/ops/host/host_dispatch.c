@@ -1,5 +1,5 @@
 /*
- * Normal-mode dispatch on the host backend (DESIGN.md section 2).
+ * Normal-mode dispatch on the host backend (docs/DESIGN.md section 2).
  *
  * 1. Route: which ranks get each token; send counts per rank and per expert go into
  *    this rank's call area (fresh mode), or come from the handle (cached mode).
@@ -42,7 +42,7 @@ static epx__dispatch_plan_t epx__dispatch_plan(epx_buffer_t buffer, const epx_di
     plan.tokens = args->x.shape[0];
     plan.dtype = args->x.dtype;
     plan.row_bytes = (size_t)buffer->config.hidden * epx_dtype_size(plan.dtype);
-    plan.scale_cols = plan.dtype == EPX_DTYPE_FP8_E4M3 ? buffer->config.hidden / 128 : 0;
+    plan.scale_cols = plan.dtype == EPX_DTYPE_FP8_E4M3 ? buffer->config.hidden / EPX__FP8_BLOCK : 0;
     plan.has_idx = epx__tensor_given(&args->topk_idx);
     plan.has_weights = epx__tensor_given(&args->topk_weights);
     return plan;

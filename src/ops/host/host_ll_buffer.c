@@ -29,7 +29,7 @@ epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *conf
     int64_t num_local = config->num_experts / world_size, k = config->num_topk;
     l.max_tokens = m;
     l.rows = m * world_size;
-    l.scale_cols = hidden % 128 == 0 ? hidden / 128 : 0;
+    l.scale_cols = hidden % EPX__FP8_BLOCK == 0 ? hidden / EPX__FP8_BLOCK : 0;
     /* Dispatch rows: room for bf16 unless the buffer was made for fp8 dispatch only. */
     int fp8_only = config->low_latency_dtype == EPX_DTYPE_FP8_E4M3;
     l.x_row_bytes = (size_t)hidden * (fp8_only ? 1 : 2);
@@ -101,7 +101,7 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
         ll->mask = calloc(world, 1);
         ll->send_counts = calloc((size_t)config->num_experts, sizeof(int32_t));
         ll->cast_row = malloc(hidden);
-        ll->cast_scales = malloc((hidden / 128 + 1) * sizeof(float));
+        ll->cast_scales = malloc((hidden / EPX__FP8_BLOCK + 1) * sizeof(float));
         ll->accumulator = malloc(hidden * sizeof(float));
         ll->wait_flags = calloc(world, sizeof(uint64_t *));
         failed = ll->mask == NULL || ll->send_counts == NULL || ll->cast_row == NULL ||

@@ -66,7 +66,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
     memset(ll->send_counts, 0, (size_t)buffer->config.num_experts * sizeof(int32_t));
     int64_t x_stride = epx__tensor_row_stride(&args->x);
     int64_t idx_stride = epx__tensor_row_stride(&args->topk_idx);
-    int64_t scale_cols = args->use_fp8 ? hidden / 128 : 0;
+    int64_t scale_cols = args->use_fp8 ? hidden / EPX__FP8_BLOCK : 0;
     size_t row_bytes = (size_t)hidden * (args->use_fp8 ? 1 : 2);
     for (int64_t t = 0; t < tokens; t++) {
         const uint16_t *x = (const uint16_t *)args->x.data + t * x_stride;
@@ -130,8 +130,8 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     char *base = epx__host_ll_slot(ll, me, slot);
     const int32_t *counts = (const int32_t *)(base + l->stage_count);
     size_t row_bytes = (size_t)hidden * (s->use_fp8 ? 1 : 2);
-    int64_t scale_cols = s->use_fp8 ? hidden / 128 : 0;
-    int64_t packed_cols = s->use_ue8m0 ? hidden / 512 : scale_cols; /* in 4-byte words */
+    int64_t scale_cols = s->use_fp8 ? hidden / EPX__FP8_BLOCK : 0;
+    int64_t packed_cols = s->use_ue8m0 ? hidden / EPX__UE8M0_GROUP : scale_cols; /* in 4-byte words */
     for (int local = 0; local < num_local; local++) {
         int64_t pos = 0;
         for (int src = 0; src < world; src++) {

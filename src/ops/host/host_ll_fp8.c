@@ -17,7 +17,7 @@ static uint8_t epx__float_to_e4m3(float value)
     if (isnan(value))
         return 0x7f;
     float a = fabsf(value);
-    if (a >= 448.0f)
+    if (a >= EPX__FP8_E4M3_MAX)
         return sign | 0x7e;
     if (a < 0.015625f) { /* below 2^-6: subnormal steps of 2^-9 */
         float steps = nearbyintf(ldexpf(a, 9)); /* exact scaling, then round to even */
@@ -36,10 +36,10 @@ static uint8_t epx__float_to_e4m3(float value)
 void epx__host_ll_cast_fp8(const uint16_t *row, int64_t hidden, int round_scale, uint8_t *out,
                            float *scales)
 {
-    for (int64_t g = 0; g < hidden / 128; g++) {
-        const uint16_t *in = row + g * 128;
+    for (int64_t g = 0; g < hidden / EPX__FP8_BLOCK; g++) {
+        const uint16_t *in = row + g * EPX__FP8_BLOCK;
         float amax = 0.0f;
-        for (int i = 0; i < 128; i++) {
+        for (int i = 0; i < EPX__FP8_BLOCK; i++) {
             float v = fabsf(epx__bf16_to_float(in[i]));
             amax = v > amax ? v : amax; /* a NaN never raises amax */
         }
@@ -48,17 +48,17 @@ void epx__host_ll_cast_fp8(const uint16_t *row, int64_t hidden, int round_scale,
         if (round_scale) {
             /* Smallest power of two >= amax / 448: frexp is exact, so is the rounding. */
             int exponent;
-            float fraction = frexpf(amax / 448.0f, &exponent);
+            float fraction = frexpf(amax / EPX__FP8_E4M3_MAX, &exponent);
             if (fraction == 0.5f)
                 exponent -= 1; /* already a power of two */
             scale = ldexpf(1.0f, exponent);
             multiplier = ldexpf(1.0f, -exponent);
         } else {
-            scale = amax / 448.0f;
-            multiplier = 448.0f / amax;
+            scale = amax / EPX__FP8_E4M3_MAX;
+            multiplier = EPX__FP8_E4M3_MAX / amax;
         }
         scales[g] = scale;
-        for (int i = 0; i < 128; i++)
-            out[g * 128 + i] = epx__float_to_e4m3(epx__bf16_to_float(in[i]) * multiplier);
+        for (int i = 0; i < EPX__FP8_BLOCK; i++)
+            out[g * EPX__FP8_BLOCK + i] = epx__float_to_e4m3(epx__bf16_to_float(in[i]) * multiplier);
     }
 }
