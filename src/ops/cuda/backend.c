@@ -337,7 +337,7 @@ static void cuda_buffer_destroy(epx_buffer_t buffer, int all_ready)
     epx__cuda_ll_destroy(cuda->ll, all_ready);
     cuda->ll = NULL;
     /* After the low-latency part: symmetric frees happen in the same order everywhere. */
-    epx__cuda_xn_destroy(cuda, ll_healthy);
+    epx__cuda_xn_destroy(cuda, all_ready);
     release_buffer(cuda);
     buffer->impl = NULL;
 }
