@@ -13,7 +13,7 @@
 void epx__bench_nodes_report(epx_group_t group, int64_t tokens, int64_t hidden, int experts,
                              int topk, uint64_t seed, epx_dtype_t dtype, int json, int explain)
 {
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     /* The timed case's inputs (bench_case.c): the routing depends on the seed only. */
     moe_case_t moe = {info.world_size, tokens, hidden, experts, topk, dtype, 1, seed,
