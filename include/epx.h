@@ -12,8 +12,12 @@
  *   - Every entry point returns epx_status_t. Nothing asserts, aborts or exits.
  *   - Outputs are written only on success. epx_last_error() gives a message for the
  *     last failure on the calling thread (which rank, which stage, what was wrong).
- *   - Config and argument structs start with `size_t size`; initialise them with the
- *     matching *_INIT macro. A size the library does not know is EPX_ERR_INVALID_ARG.
+ *   - Struct sizes, one policy for every struct that crosses the API (configs,
+ *     arguments, results, infos): it starts with `size_t size`, which its *_INIT macro
+ *     sets to sizeof the struct in this header, and every entry point checks it before
+ *     reading or writing the struct. A size the library does not know is
+ *     EPX_ERR_INVALID_ARG. A struct that grew between releases also accepts its earlier
+ *     sizes (listed at the struct); the fields past such a size take their defaults.
  *   - Operations on a buffer are collective: every rank of the group calls them in the
  *     same order. If one rank fails inside an operation, the others return
  *     EPX_ERR_REMOTE naming that rank (or EPX_ERR_TIMEOUT if it stops answering) and
@@ -175,6 +179,7 @@ epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group
 epx_status_t epx_group_destroy(epx_group_t group);
 
 typedef struct {
+    size_t size; /* sizeof(epx_group_info_t): set by EPX_GROUP_INFO_INIT */
     int rank;
     int world_size;
     int local_rank;
@@ -183,9 +188,20 @@ typedef struct {
     int device;            /* -1 for the host backend */
 } epx_group_info_t;
 
+#define EPX_GROUP_INFO_INIT {sizeof(epx_group_info_t), 0, 0, 0, 0, EPX_BACKEND_AUTO, -1}
+
+/* Local. `info` must be initialised with EPX_GROUP_INFO_INIT. */
 epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info);
 /* Collective barrier with the group's timeout (outside any buffer operation). */
 epx_status_t epx_group_barrier(epx_group_t group);
+/*
+ * Collective allgather over the group's rendezvous, with the group's timeout (outside any
+ * buffer operation; for small control data such as a benchmark's timings, not the data
+ * path). Every rank contributes `bytes` (> 0, the same on every rank) at `send`; `recv`
+ * receives world_size * bytes, rank i's contribution at offset i * bytes. A rank whose
+ * arguments are refused returns at once; its peers then wait until the timeout.
+ */
+epx_status_t epx_group_allgather(epx_group_t group, const void *send, void *recv, size_t bytes);
 
 /* ---------------------------------------------------------------- buffers */
 
@@ -206,6 +222,9 @@ typedef struct {
     epx_dtype_t low_latency_dtype;
 } epx_buffer_config_t;
 
+/* Earlier sizes accepted: offsetof(epx_buffer_config_t, max_low_latency_tokens) and
+ * offsetof(epx_buffer_config_t, low_latency_dtype) (epx before low-latency mode and
+ * before low_latency_dtype); the fields past them take their defaults. */
 #define EPX_BUFFER_CONFIG_INIT \
     {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0, EPX_DTYPE_BF16}
 
@@ -215,7 +234,26 @@ epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *confi
 /* Collective: allocate and map the buffer on every rank. */
 epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer);
+/*
+ * Collective while the buffer is healthy on this rank, on both backends: the rank waits
+ * for its queued work, then every rank votes (within the group's timeout) that it is
+ * done, so no rank frees memory a peer may still read; every rank destroys its buffers
+ * in the same order. Returns the vote's status: EPX_SUCCESS, or EPX_ERR_TIMEOUT /
+ * EPX_ERR_REMOTE when a peer did not take part. A buffer that failed on this rank (any
+ * call returned its first error) is destroyed locally, without a vote, and returns
+ * EPX_SUCCESS. The buffer is freed in every case; do not use it afterwards.
+ */
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer);
+
+/*
+ * Local: fail the buffer on this rank as a failed collective operation would, with
+ * `status` (an error of epx_status_t, not EPX_SUCCESS) and `message` (may be NULL): the
+ * peers' waits in the current or next operation end with EPX_ERR_REMOTE naming this
+ * rank, and every later call on this buffer returns `status`. For a caller that finds an
+ * error itself before entering a collective operation (a language binding's argument
+ * checks), so the peers do not wait until the timeout. Returns EPX_SUCCESS when done.
+ */
+epx_status_t epx_buffer_abort(epx_buffer_t buffer, epx_status_t status, const char *message);
 
 /*
  * The first asynchronous failure seen by the buffer's operations (device-side timeout,
@@ -344,18 +382,22 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
 /* ---------------------------------------------------------------- handles */
 
 typedef struct {
+    size_t size;             /* sizeof(epx_handle_info_t): set by EPX_HANDLE_INFO_INIT */
     int64_t num_tokens;      /* tokens this rank passed to dispatch */
     int64_t num_recv_tokens; /* tokens this rank received */
     int num_local_experts;
     int expert_alignment;
 } epx_handle_info_t;
 
+#define EPX_HANDLE_INFO_INIT {sizeof(epx_handle_info_t), 0, 0, 0, 0}
+
+/* Local. `info` must be initialised with EPX_HANDLE_INFO_INIT. */
 epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info);
 epx_status_t epx_handle_destroy(epx_handle_t handle);
 
 /* ================================================================ low-latency mode
  *
- * Decode-time dispatch and combine (DESIGN.md section 2, docs/LOW_LATENCY.md), shaped
+ * Decode-time dispatch and combine (docs/DESIGN.md, docs/LOW_LATENCY.md), shaped
  * after DeepEP's low_latency_dispatch / low_latency_combine. Needs a buffer created
  * with config.max_low_latency_tokens > 0 (M below); R = world size, L = num_experts / R
  * local experts, k = num_topk. No host synchronisation on the GPU backend, so the

@@ -10,30 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
+#include "api.h"
 #include "validate.h"
-
-static const epx__backend_ops_t *backend_ops(epx_backend_t backend)
-{
-#ifdef EPX_WITH_CUDA
-    if (backend == EPX_BACKEND_CUDA)
-        return &epx__cuda_backend;
-#endif
-    if (backend == EPX_BACKEND_HOST)
-        return &epx__host_backend;
-    return NULL;
-}
-
-void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message)
-{
-    int expected = EPX_SUCCESS;
-    if (status == EPX_SUCCESS)
-        return;
-    /* The first error wins; its message is written by the thread that won. */
-    if (atomic_compare_exchange_strong(&buffer->async_error, &expected, (int)status))
-        snprintf(buffer->async_message, sizeof(buffer->async_message), "%s",
-                 message != NULL ? message : "");
-}
 
 /* A collective operation failed on this rank: record it and tell the peers. */
 epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status)
@@ -66,7 +44,7 @@ epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *confi
     EPX_CHECK(epx__validate_buffer_config(group, config));
     if (bytes_per_rank == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_size: bytes_per_rank is NULL");
-    const epx__backend_ops_t *ops = backend_ops(group->backend);
+    const epx__backend_ops_t *ops = epx__backend_find(group->backend);
     if (ops == NULL)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_size: backend %s is not built",
                          epx_backend_name(group->backend));
@@ -99,7 +77,6 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
 {
     buffer_vote_t mine;
     memset(&mine, 0, sizeof(mine));
-    mine.status = (int32_t)local_status;
     if (local_status == EPX_SUCCESS) {
         mine.num_experts = config->num_experts;
         mine.num_topk = config->num_topk;
@@ -109,30 +86,19 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
         mine.hidden = config->hidden;
         mine.max_low_latency_tokens = config->max_low_latency_tokens;
     }
-    char local_message[512];
-    snprintf(local_message, sizeof(local_message), "%s", epx_last_error());
     buffer_vote_t *votes = calloc((size_t)group->world_size, sizeof(*votes));
     if (votes == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of memory");
-    epx_status_t status = epx__bootstrap_allgather(group->bootstrap, &mine, votes, sizeof(mine));
-    if (status != EPX_SUCCESS) {
-        free(votes);
-        return status;
-    }
-    if (local_status != EPX_SUCCESS) {
-        free(votes);
-        return EPX_ERROR(local_status, "%s", local_message);
-    }
+    epx_status_t status =
+        epx__bootstrap_vote(group->bootstrap, group->world_size, local_status, &mine, votes,
+                            sizeof(mine), "buffer_create", "rejected its config");
     for (int r = 0; r < group->world_size && status == EPX_SUCCESS; r++) {
         const buffer_vote_t *v = &votes[r];
-        if (v->status != EPX_SUCCESS)
-            status = EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d rejected its config (%s)",
-                               r, epx_status_string((epx_status_t)v->status));
-        else if (v->num_experts != mine.num_experts || v->num_topk != mine.num_topk ||
-                 v->dispatch_dtype != mine.dispatch_dtype ||
-                 v->low_latency_dtype != mine.low_latency_dtype ||
-                 v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden ||
-                 v->max_low_latency_tokens != mine.max_low_latency_tokens)
+        if (v->num_experts != mine.num_experts || v->num_topk != mine.num_topk ||
+            v->dispatch_dtype != mine.dispatch_dtype ||
+            v->low_latency_dtype != mine.low_latency_dtype ||
+            v->max_tokens_per_rank != mine.max_tokens_per_rank || v->hidden != mine.hidden ||
+            v->max_low_latency_tokens != mine.max_low_latency_tokens)
             status = EPX_ERROR(EPX_ERR_INVALID_ARG,
                                "buffer_create: rank %d's config differs from rank %d's (every "
                                "rank must pass the same shape)",
@@ -151,7 +117,7 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     epx_status_t status = epx__validate_buffer_config(group, config);
     if (status == EPX_SUCCESS && buffer_out == NULL)
         status = EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_create: buffer is NULL");
-    const epx__backend_ops_t *ops = backend_ops(group->backend);
+    const epx__backend_ops_t *ops = epx__backend_find(group->backend);
     if (status == EPX_SUCCESS && ops == NULL)
         status = EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_create: backend %s is not built",
                            epx_backend_name(group->backend));
@@ -186,13 +152,55 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     return EPX_SUCCESS;
 }
 
+/*
+ * Destroy: collective while the buffer is healthy on this rank. Every rank first
+ * finishes its queued work (a peer may still read this rank's memory), then votes that
+ * it is done; memory allocated collectively (NVSHMEM's) is freed only when every rank
+ * voted ready. A buffer that failed skips the vote (its peers may be gone).
+ */
 epx_status_t epx_buffer_destroy(epx_buffer_t buffer)
 {
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_destroy: buffer is NULL");
-    buffer->ops->buffer_destroy(buffer);
+    epx_group_t group = buffer->group;
+    int32_t ready = buffer->ops->destroy_ready != NULL ? buffer->ops->destroy_ready(buffer) : 1;
+    epx_status_t status = EPX_SUCCESS;
+    int all_ready = 0;
+    if (atomic_load(&buffer->async_error) == EPX_SUCCESS) {
+        int32_t *votes = calloc((size_t)group->world_size, sizeof(int32_t));
+        if (votes == NULL)
+            status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_destroy: out of memory");
+        else
+            status = epx__bootstrap_allgather(group->bootstrap, &ready, votes, sizeof(ready));
+        all_ready = status == EPX_SUCCESS;
+        for (int r = 0; all_ready && r < group->world_size; r++)
+            all_ready = votes[r] != 0;
+        free(votes);
+    }
+    buffer->ops->buffer_destroy(buffer, all_ready);
     free(buffer);
+    return status;
+}
+
+/*
+ * Abort: this rank fails the buffer as a failed collective operation would, with the
+ * caller's status and text (for a binding that found a bad argument itself).
+ */
+epx_status_t epx_buffer_abort(epx_buffer_t buffer, epx_status_t status, const char *message)
+{
+    epx__clear_error();
+    if (buffer == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_abort: buffer is NULL");
+    if (status == EPX_SUCCESS || strcmp(epx_status_name(status), "EPX_UNKNOWN_STATUS") == 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer_abort: status %d is not an error status of epx_status_t",
+                         (int)status);
+    /* epx__buffer_fail records and sends the thread's last error: make it the caller's. */
+    EPX_ERROR(status, "%s",
+              message != NULL && message[0] != '\0' ? message : "the caller aborted the buffer");
+    epx__buffer_fail(buffer, status);
+    epx__clear_error();
     return EPX_SUCCESS;
 }
 
@@ -227,7 +235,7 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
     EPX_CHECK(epx__buffer_check_usable(buffer, "get_dispatch_layout"));
     /* Layout is local: a failure here does not involve (or poison) the peers. */
     EPX_CHECK(epx__validate_layout(buffer, args));
-    if (buffer->group->backend == EPX_BACKEND_HOST)
+    if (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)
         EPX_CHECK(epx__validate_topk_values("get_dispatch_layout", &args->topk_idx,
                                             buffer->config.num_experts));
     return buffer->ops->layout(buffer, args, stream);
@@ -250,7 +258,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
     EPX_CHECK(normal_available(buffer, "dispatch"));
     epx_status_t status = epx__validate_dispatch(buffer, args, result);
     if (status == EPX_SUCCESS && args->handle == NULL &&
-        buffer->group->backend == EPX_BACKEND_HOST)
+        (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS))
         status = epx__validate_topk_values("dispatch", &args->topk_idx,
                                            buffer->config.num_experts);
     epx_dispatch_result_t local;

@@ -11,7 +11,7 @@
  */
 #include <string.h>
 
-#include "internal.h"
+#include "api.h"
 #include "validate.h"
 
 static epx_status_t ll_check_backend(epx_buffer_t buffer, const char *op, const void *entry)
@@ -30,33 +30,6 @@ static epx_status_t ll_fail(epx_buffer_t buffer, int slot, epx_status_t status)
     if (status == EPX_ERR_TIMEOUT || status == EPX_ERR_REMOTE)
         return status;
     return epx__buffer_fail(buffer, status);
-}
-
-void epx__ll_dispatch_views(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args, void *recv_x,
-                            void *recv_scales, void *recv_count, void *src_info, void *range,
-                            epx_ll_dispatch_result_t *result)
-{
-    int64_t num_local = buffer->num_local_experts, hidden = buffer->config.hidden;
-    int64_t rows = buffer->config.max_low_latency_tokens * buffer->group->world_size;
-    epx_tensor_t t = EPX_TENSOR_NONE;
-    t.ndim = 3;
-    t.shape[0] = num_local;
-    t.shape[1] = rows;
-    t.shape[2] = hidden;
-    t.data = recv_x;
-    t.dtype = args->use_fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
-    result->recv_x = t;
-    result->recv_x_scales = (epx_tensor_t)EPX_TENSOR_NONE;
-    if (args->use_fp8) {
-        t.data = recv_scales;
-        t.dtype = args->use_ue8m0 ? EPX_DTYPE_INT32 : EPX_DTYPE_FP32;
-        t.shape[2] = args->use_ue8m0 ? hidden / 512 : hidden / 128;
-        result->recv_x_scales = t;
-    }
-    result->recv_count = epx_tensor_1d(recv_count, EPX_DTYPE_INT32, num_local);
-    result->recv_src_info = epx_tensor_2d(src_info, EPX_DTYPE_INT32, num_local, rows);
-    result->recv_layout_range =
-        epx_tensor_2d(range, EPX_DTYPE_INT64, num_local, buffer->group->world_size);
 }
 
 static const char *ll_state_name(epx__ll_slot_state_t state)
@@ -117,7 +90,7 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_dispatch(buffer, args, result));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_dispatch));
-    if (buffer->group->backend == EPX_BACKEND_HOST)
+    if (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)
         EPX_CHECK(epx__validate_topk_values(op, &args->topk_idx, buffer->config.num_experts));
     int slot = buffer->ll.next_slot;
     epx__ll_slot_t *s = &buffer->ll.slots[slot];
@@ -208,7 +181,7 @@ epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *ar
                          "call epx_ll_receive on the handle first",
                          op, s->state == EPX__LL_DISPATCH_SENT ? "dispatch" : "combine");
     EPX_CHECK(epx__validate_ll_combine(buffer, args, s->num_tokens));
-    if (buffer->group->backend == EPX_BACKEND_HOST)
+    if (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)
         EPX_CHECK(epx__validate_topk_values(op, &args->topk_idx, buffer->config.num_experts));
 
     s->state = EPX__LL_COMBINE_SENT;

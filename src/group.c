@@ -13,7 +13,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "internal.h"
+#include "api.h"
 
 /* What every rank must agree on, exchanged right after the bootstrap is up. */
 typedef struct {
@@ -29,13 +29,11 @@ static int backend_known(epx_backend_t backend)
            backend == EPX_BACKEND_CUDA;
 }
 
+/* Devices of the CUDA backend this process can use (0 when the build has none). */
 static int cuda_device_count(void)
 {
-#ifdef EPX_WITH_CUDA
-    return epx__cuda_device_count();
-#else
-    return 0;
-#endif
+    const epx__backend_ops_t *cuda = epx__backend_find(EPX_BACKEND_CUDA);
+    return cuda != NULL && cuda->device_count != NULL ? cuda->device_count() : 0;
 }
 
 static epx_status_t check_config(const epx_group_config_t *config)
@@ -89,24 +87,18 @@ static epx_status_t check_config(const epx_group_config_t *config)
 
 static epx_status_t resolve_backend(epx_backend_t requested, epx_backend_t *resolved)
 {
-#ifdef EPX_WITH_CUDA
+    int built = epx__backend_find(EPX_BACKEND_CUDA) != NULL;
     if (requested == EPX_BACKEND_AUTO) {
         *resolved = cuda_device_count() > 0 ? EPX_BACKEND_CUDA : EPX_BACKEND_HOST;
         return EPX_SUCCESS;
     }
-    if (requested == EPX_BACKEND_CUDA && cuda_device_count() <= 0)
-        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "group: backend cuda was requested but no CUDA device is visible");
-#else
-    if (requested == EPX_BACKEND_AUTO) {
-        *resolved = EPX_BACKEND_HOST;
-        return EPX_SUCCESS;
-    }
-    if (requested == EPX_BACKEND_CUDA)
+    if (requested == EPX_BACKEND_CUDA && !built)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "group: backend cuda was requested but this epx was built without "
                          "CUDA (rebuild with nvcc available and EPX_WITH_CUDA=ON)");
-#endif
+    if (requested == EPX_BACKEND_CUDA && cuda_device_count() <= 0)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "group: backend cuda was requested but no CUDA device is visible");
     *resolved = requested;
     return EPX_SUCCESS;
 }
@@ -291,10 +283,9 @@ epx_status_t epx_group_destroy(epx_group_t group)
     epx__clear_error();
     if (group == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_destroy: group is NULL");
-#ifdef EPX_WITH_CUDA
-    if (group->backend == EPX_BACKEND_CUDA)
-        epx__cuda_ll_group_destroy(group);
-#endif
+    const epx__backend_ops_t *ops = epx__backend_find(group->backend);
+    if (ops != NULL && ops->group_destroy != NULL)
+        ops->group_destroy(group);
     epx__bootstrap_destroy(group->bootstrap);
     free(group);
     return EPX_SUCCESS;
@@ -306,7 +297,13 @@ epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info)
     if (group == NULL || info == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_get_info: %s is NULL",
                          group == NULL ? "group" : "info");
-    epx_group_info_t filled = {.rank = group->rank,
+    if (info->size != sizeof(epx_group_info_t))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "epx_group_get_info: info.size is %zu, expected %zu (use "
+                         "EPX_GROUP_INFO_INIT)",
+                         info->size, sizeof(epx_group_info_t));
+    epx_group_info_t filled = {.size = sizeof(filled),
+                               .rank = group->rank,
                                .world_size = group->world_size,
                                .local_rank = group->local_rank,
                                .ranks_per_node = group->ranks_per_node,
@@ -322,4 +319,21 @@ epx_status_t epx_group_barrier(epx_group_t group)
     if (group == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_barrier: group is NULL");
     return epx__bootstrap_barrier(group->bootstrap);
+}
+
+epx_status_t epx_group_allgather(epx_group_t group, const void *send, void *recv, size_t bytes)
+{
+    epx__clear_error();
+    if (group == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_allgather: group is NULL");
+    if (send == NULL || recv == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_allgather: %s is NULL",
+                         send == NULL ? "send" : "recv");
+    if (bytes == 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_allgather: bytes is 0");
+    if (bytes > (size_t)INT64_MAX / (size_t)group->world_size)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "epx_group_allgather: bytes %zu times world size %d overflows", bytes,
+                         group->world_size);
+    return epx__bootstrap_allgather(group->bootstrap, send, recv, bytes);
 }

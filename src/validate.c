@@ -45,7 +45,7 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.dispatch_dtype is %s, expected bf16 or fp8_e4m3",
                          epx_dtype_name(config->dispatch_dtype));
-    if (config->dispatch_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % 128 != 0)
+    if (config->dispatch_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % EPX__FP8_BLOCK != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.hidden is %lld, fp8 dispatch needs a multiple of 128 "
                          "(one scale per 128 channels)",
@@ -75,7 +75,7 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
                          epx_dtype_name(config->low_latency_dtype),
                          (int)config->low_latency_dtype);
     if (config->size == sizeof(epx_buffer_config_t) &&
-        config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % 128 != 0)
+        config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % EPX__FP8_BLOCK != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.low_latency_dtype is fp8_e4m3 but config.hidden is "
                          "%lld; fp8 dispatch needs a multiple of 128 (one scale per 128 "
@@ -202,12 +202,12 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
                          op, (long long)tokens, (long long)config->max_tokens_per_rank);
     int fp8 = dtype == EPX_DTYPE_FP8_E4M3;
     if (fp8) {
-        if (config->hidden % 128 != 0)
+        if (config->hidden % EPX__FP8_BLOCK != 0)
             return EPX_ERROR(EPX_ERR_INVALID_ARG,
                              "%s: fp8 x needs hidden to be a multiple of 128, the buffer has %lld",
                              op, (long long)config->hidden);
         EPX_CHECK(epx__check_tensor(op, "x_scales", &args->x_scales, EPX_DTYPE_FP32, 2, tokens,
-                                    config->hidden / 128));
+                                    config->hidden / EPX__FP8_BLOCK));
     } else if (epx__tensor_given(&args->x_scales)) {
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: x_scales given but x is bf16", op);
     }
@@ -243,7 +243,7 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
         EPX_CHECK(check_dispatch_output("recv_x", &args->recv_x, 1, dtype, config->hidden,
                                         min_rows));
         EPX_CHECK(check_dispatch_output("recv_x_scales", &args->recv_x_scales, fp8,
-                                        EPX_DTYPE_FP32, config->hidden / 128, min_rows));
+                                        EPX_DTYPE_FP32, config->hidden / EPX__FP8_BLOCK, min_rows));
         EPX_CHECK(check_dispatch_output("recv_topk_idx", &args->recv_topk_idx, has_idx,
                                         EPX_DTYPE_INT64, config->num_topk, min_rows));
         EPX_CHECK(check_dispatch_output("recv_topk_weights", &args->recv_topk_weights,

@@ -6,7 +6,7 @@
 #ifndef EPX_VALIDATE_H
 #define EPX_VALIDATE_H
 
-#include "internal.h"
+#include "api.h"
 
 epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_config_t *config);
 /* A validated config (either accepted size) as the current struct, new fields 0. */

@@ -94,7 +94,7 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
     if (!args->use_fp8 && (args->round_scale || args->use_ue8m0))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: round_scale and use_ue8m0 apply to fp8 only; use_fp8 is 0", op);
-    if (args->use_fp8 && config->hidden % 128 != 0)
+    if (args->use_fp8 && config->hidden % EPX__FP8_BLOCK != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: use_fp8 needs hidden to be a multiple of 128 (one scale per 128 "
                          "channels); the buffer has hidden %lld",
@@ -102,7 +102,7 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
     if (args->use_ue8m0 && !args->round_scale)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: use_ue8m0 needs round_scale (ue8m0 holds powers of two only)", op);
-    if (args->use_ue8m0 && config->hidden % 512 != 0)
+    if (args->use_ue8m0 && config->hidden % EPX__UE8M0_GROUP != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: use_ue8m0 needs hidden to be a multiple of 512 (four scales per "
                          "int32); the buffer has hidden %lld",

@@ -1,4 +1,4 @@
-# Tests of `epx doctor` (tools/doctor*.c). Included at the end of tests/CMakeLists.txt.
+# Tests of `epx doctor` (tools/doctor/). Included at the end of tests/CMakeLists.txt.
 #
 # - unit.test_doctor_parse / _report / _child: the unit-test glob makes these targets;
 #   here they get the doctor sources they test and the recorded samples.
@@ -9,7 +9,7 @@
 #   says not-present with the fix. The script is told the plugin's path, or "none" when
 #   this build has none.
 
-set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools)
+set(EPX_DOCTOR_TOOLS ${CMAKE_SOURCE_DIR}/tools/doctor)
 
 if(TARGET test_doctor_parse)
   target_sources(test_doctor_parse PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_parse.c
@@ -21,8 +21,8 @@ endif()
 
 if(TARGET test_doctor_child)
   target_sources(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS}/doctor_child.c
-                 ${EPX_DOCTOR_TOOLS}/doctor_report.c)
-  target_include_directories(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS})
+                 ${EPX_DOCTOR_TOOLS}/doctor_report.c ${CMAKE_SOURCE_DIR}/tools/common/tool.c)
+  target_include_directories(test_doctor_child PRIVATE ${EPX_DOCTOR_TOOLS} ${CMAKE_SOURCE_DIR}/tools)
 endif()
 
 if(TARGET test_doctor_report)

@@ -11,17 +11,19 @@ foreach(case ${EPX_TOOLS_TEST_CASES})
 endforeach()
 
 add_executable(test_bench_helpers ${CMAKE_CURRENT_LIST_DIR}/tools/test_bench_helpers.c
-               ${CMAKE_SOURCE_DIR}/tools/bench_check.c ${CMAKE_SOURCE_DIR}/tools/bench_report.c
-               ${CMAKE_SOURCE_DIR}/tools/bench_ll_report.c)
-target_include_directories(test_bench_helpers PRIVATE ${CMAKE_SOURCE_DIR}/tools)
+               ${CMAKE_SOURCE_DIR}/tools/bench/bench_check.c
+               ${CMAKE_SOURCE_DIR}/tools/bench/bench_report.c
+               ${CMAKE_SOURCE_DIR}/tools/bench/bench_ll_report.c)
+target_include_directories(test_bench_helpers PRIVATE ${CMAKE_SOURCE_DIR}/tools/bench)
 target_link_libraries(test_bench_helpers PRIVATE epx_internal epx_test_common m)
 add_test(NAME tools.bench_helpers COMMAND test_bench_helpers)
 set_tests_properties(tools.bench_helpers PROPERTIES TIMEOUT 60)
 
 # The expected traffic across nodes of `epx bench --ranks-per-node`, on a hand-made routing.
 add_executable(test_bench_nodes ${CMAKE_CURRENT_LIST_DIR}/tools/test_bench_nodes.c
-               ${CMAKE_SOURCE_DIR}/tools/bench_nodes.c ${CMAKE_SOURCE_DIR}/tools/bench_report.c)
-target_include_directories(test_bench_nodes PRIVATE ${CMAKE_SOURCE_DIR}/tools)
+               ${CMAKE_SOURCE_DIR}/tools/bench/bench_nodes.c
+               ${CMAKE_SOURCE_DIR}/tools/bench/bench_report.c)
+target_include_directories(test_bench_nodes PRIVATE ${CMAKE_SOURCE_DIR}/tools/bench)
 target_link_libraries(test_bench_nodes PRIVATE epx_internal epx_test_common m)
 add_test(NAME tools.bench_nodes_counts COMMAND test_bench_nodes)
 set_tests_properties(tools.bench_nodes_counts PROPERTIES TIMEOUT 60)

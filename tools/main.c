@@ -6,9 +6,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "commands.h"
-#include "core/core.h"
-#include "doctor.h"
+#include "common/commands.h"
+#include "common/tool.h"
+#include "doctor/doctor.h"
 #include "epx.h"
 
 static const char usage_text[] =
@@ -42,12 +42,12 @@ int epx__command_params(int argc, char **argv)
         fprintf(stderr, "epx params: unexpected argument '%s'\n", argv[1]);
         return 2;
     }
-    epx_status_t status = epx__params_load();
+    epx_status_t status = epx_params_load();
     if (status != EPX_SUCCESS) {
         fprintf(stderr, "epx params: %s: %s\n", epx_status_name(status), epx_last_error());
         return 1;
     }
-    epx__params_print(stdout);
+    epx_params_print(stdout);
     return 0;
 }
 

@@ -119,6 +119,7 @@ class GroupConfig(Structure):
 class GroupInfo(Structure):
     """epx_group_info_t"""
     _fields_ = [
+        ("size", c_size_t),
         ("rank", c_int),
         ("world_size", c_int),
         ("local_rank", c_int),
@@ -204,6 +205,7 @@ class CombineArgs(Structure):
 class HandleInfo(Structure):
     """epx_handle_info_t"""
     _fields_ = [
+        ("size", c_size_t),
         ("num_tokens", c_int64),
         ("num_recv_tokens", c_int64),
         ("num_local_experts", c_int),
@@ -293,6 +295,8 @@ def new(struct):
     if struct is GroupConfig:
         value.world_size = 1
         value.device = -1
+    elif struct is GroupInfo:
+        value.device = -1
     elif struct is BufferConfig:
         value.dispatch_dtype = DTYPE_BF16
         value.low_latency_dtype = DTYPE_BF16
@@ -320,9 +324,11 @@ _PROTOTYPES = {
     "epx_group_destroy": (c_int, [epx_group_p]),
     "epx_group_get_info": (c_int, [epx_group_p, POINTER(GroupInfo)]),
     "epx_group_barrier": (c_int, [epx_group_p]),
+    "epx_group_allgather": (c_int, [epx_group_p, c_void_p, c_void_p, c_size_t]),
     "epx_buffer_size": (c_int, [epx_group_p, POINTER(BufferConfig), POINTER(c_size_t)]),
     "epx_buffer_create": (c_int, [epx_group_p, POINTER(BufferConfig), POINTER(epx_buffer_p)]),
     "epx_buffer_destroy": (c_int, [epx_buffer_p]),
+    "epx_buffer_abort": (c_int, [epx_buffer_p, c_int, c_char_p]),
     "epx_get_async_error": (c_int, [epx_buffer_p, POINTER(c_int), c_char_p, c_size_t]),
     "epx_get_dispatch_layout": (c_int, [epx_buffer_p, POINTER(LayoutArgs), c_void_p]),
     "epx_dispatch": (c_int, [epx_buffer_p, POINTER(DispatchArgs), POINTER(DispatchResult),

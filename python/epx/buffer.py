@@ -59,7 +59,7 @@ class Handle:
         # the same kind as that dispatch's outputs.
         self._framework = framework
         self._raw = raw
-        info = _capi.HandleInfo()
+        info = _capi.new(_capi.HandleInfo)
         check(_capi.api().epx_handle_get_info(pointer, ctypes.byref(info)), "handle_get_info")
         self.num_tokens = info.num_tokens
         self.num_recv_tokens = info.num_recv_tokens
@@ -351,26 +351,26 @@ class Buffer(LowLatencyMixin):
         """Fail this collective on every rank for an argument error found here.
 
         The peers are already in (or about to enter) the same operation: a rank that just
-        raised would leave them waiting until the timeout. So the C operation is entered
-        with an argument the library rejects up front, which makes it tell the peers
-        (they get EPX_ERR_REMOTE naming this rank) and marks the buffer failed, exactly as
-        for an argument error the C library finds itself.
+        raised would leave them waiting until the timeout. So the buffer is aborted
+        (epx_buffer_abort), which tells the peers (they get EPX_ERR_REMOTE naming this
+        rank) and marks the buffer failed, exactly as for an argument error the C library
+        finds itself.
         """
-        bad = _capi.Tensor()
-        bad.data = _tensor._EMPTY_ADDRESS
-        bad.dtype = _capi.DTYPE_INVALID
-        bad.ndim = 2
-        api = _capi.api()
-        if call.op == "dispatch":
-            args = _capi.new(_capi.DispatchArgs)
-            args.x = bad
-            result = _capi.new(_capi.DispatchResult)
-            api.epx_dispatch(self.pointer, ctypes.byref(args), ctypes.byref(result), None)
-        elif call.op == "combine":
-            args = _capi.new(_capi.CombineArgs)
-            args.x = bad
-            api.epx_combine(self.pointer, ctypes.byref(args), None)
-        raise call.problems[0]
+        problem = call.problems[0]
+        if call.op in ("dispatch", "combine"):
+            self.abort(problem)
+        raise problem
+
+    def abort(self, reason="aborted by the caller"):
+        """Fail this buffer on every rank (epx_buffer_abort): the peers' current or next
+        operation ends with EPX_ERR_REMOTE naming this rank, and every later call on the
+        buffer raises. `reason` (text or an EpxError) is the message recorded."""
+        if isinstance(reason, EpxError):
+            status, text = reason.status, reason.message
+        else:
+            status, text = Status.ERR_INVALID_STATE, str(reason)
+        check(_capi.api().epx_buffer_abort(self.pointer, int(status), text.encode()),
+              "buffer_abort")
 
     def _check_handle(self, call, handle, required):
         if handle is None:

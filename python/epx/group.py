@@ -83,7 +83,7 @@ class Group:
         self._callbacks = _callbacks  # the C library keeps calling them: keep them alive
         self.process_group = _process_group
         self._buffers = weakref.WeakSet()
-        info = _capi.GroupInfo()
+        info = _capi.new(_capi.GroupInfo)
         check(_capi.api().epx_group_get_info(self._ptr, ctypes.byref(info)), "group_get_info")
         self.rank = info.rank
         self.world_size = info.world_size
@@ -206,6 +206,19 @@ class Group:
     def barrier(self):
         """Collective barrier with the group's timeout."""
         check(_capi.api().epx_group_barrier(self.pointer), "group_barrier")
+
+    def allgather(self, data):
+        """Collective allgather of small control data over the group's rendezvous.
+
+        data: bytes, the same length (> 0) on every rank. Returns a list of world_size
+        bytes objects, rank i's contribution at index i (epx_group_allgather).
+        """
+        data = bytes(data)
+        send = ctypes.create_string_buffer(data, max(len(data), 1))
+        recv = ctypes.create_string_buffer(max(len(data), 1) * self.world_size)
+        check(_capi.api().epx_group_allgather(self.pointer, send, recv, len(data)),
+              "group_allgather")
+        return [recv.raw[i * len(data):(i + 1) * len(data)] for i in range(self.world_size)]
 
     def destroy(self):
         """Destroy the group (and any buffer still using it). Idempotent."""

@@ -1,4 +1,4 @@
-"""A NumPy model of DESIGN.md section 2, and the seeded inputs the tests feed it.
+"""A NumPy model of docs/DESIGN.md section 2, and the seeded inputs the tests feed it.
 
 Every rank can regenerate every other rank's inputs from (seed, rank), so each rank
 computes what it must receive locally, independently of the library.

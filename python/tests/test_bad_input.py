@@ -233,3 +233,38 @@ def test_error_class():
     assert str(error) == "EPX_ERR_INVALID_ARG: dispatch: x is required"
     assert isinstance(error, RuntimeError)
     assert epx.EpxError(99, "?").status_name == "EPX_STATUS_99"
+
+
+def test_buffer_abort(group, tensors1, make_buffer):
+    """Buffer.abort (epx_buffer_abort): the peers' next operation fails naming this rank,
+    and every later call on this rank's buffer raises the aborting status."""
+    T = tensors1
+    case = Case(group.world_size)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    bad = last_rank(group)
+    if group.rank == bad:
+        buffer.abort(epx.EpxError(Status.ERR_INVALID_ARG, "the caller found x bad"))
+    expect_failure(group, lambda: buffer.dispatch(T.put(x), topk_idx=T.put(idx),
+                                                  topk_weights=T.put(w)),
+                   bad, Status.ERR_INVALID_ARG, "the caller found x bad")
+
+
+def test_buffer_abort_refuses_success(group, tensors1, make_buffer):
+    """A status that is not an error is refused, and the buffer stays usable."""
+    case = Case(group.world_size)
+    buffer = make_buffer(case)
+    with pytest.raises(epx.EpxError) as info:
+        _capi_abort(buffer, int(Status.SUCCESS))
+    assert info.value.status == Status.ERR_INVALID_ARG
+    assert "not an error status" in info.value.message
+    with pytest.raises(epx.EpxError) as info:
+        _capi_abort(buffer, 999)
+    assert info.value.status == Status.ERR_INVALID_ARG
+    assert buffer.get_async_error()[0] == Status.SUCCESS
+
+
+def _capi_abort(buffer, status):
+    from epx import _capi
+    from epx.errors import check
+    check(_capi.api().epx_buffer_abort(buffer.pointer, status, b"x"), "buffer_abort")

@@ -69,6 +69,17 @@ def test_group_from_env(group):
     assert "epx.Group" in repr(group)
 
 
+def test_group_allgather(group):
+    """Group.allgather (epx_group_allgather): rank i's bytes at index i on every rank."""
+    mine = bytes([group.rank % 256]) * 3 + b"epx"
+    gathered = group.allgather(mine)
+    assert gathered == [bytes([r % 256]) * 3 + b"epx" for r in range(group.world_size)]
+    with pytest.raises(epx.EpxError) as info:  # refused before any rank waits
+        group.allgather(b"")
+    assert info.value.status == Status.ERR_INVALID_ARG
+    assert "bytes is 0" in info.value.message
+
+
 def test_group_from_callbacks_runs_a_dispatch(group):
     allgather = FileAllgather(group.rank, group.world_size, shared_dir("callbacks"))
     barrier_calls = []

@@ -28,6 +28,19 @@ epx_status_t epx__bootstrap_create_callbacks(const epx_bootstrap_callbacks_t *ca
 epx_status_t epx__bootstrap_allgather(epx__bootstrap_t *bootstrap, const void *send,
                                       void *recv, size_t bytes);
 epx_status_t epx__bootstrap_barrier(epx__bootstrap_t *bootstrap);
+
+/*
+ * The status vote every collective set-up step ends with (src/bootstrap/vote.c): each
+ * rank's record (`bytes`, starting with an int32 status that this call sets to `local`)
+ * is gathered into `all` ([world_size] records), and every rank returns the same kind of
+ * answer: its own failure `local` (with the message it had before the vote), else the
+ * bootstrap's failure, else EPX_ERR_REMOTE "<op>: rank r <what> (<status>)" naming the
+ * first rank whose record failed, else EPX_SUCCESS. A rank that already failed still
+ * votes, so its peers learn about it instead of waiting.
+ */
+epx_status_t epx__bootstrap_vote(epx__bootstrap_t *bootstrap, int world_size, epx_status_t local,
+                                 void *mine, void *all, size_t bytes, const char *op,
+                                 const char *what);
 void epx__bootstrap_destroy(epx__bootstrap_t *bootstrap);
 
 #endif /* EPX_BOOTSTRAP_H */

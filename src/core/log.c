@@ -131,7 +131,7 @@ epx_log_subsys_t epx__log_subsys_of_file(const char *file)
     return EPX_SUBSYS_CORE;
 }
 
-/* The path a reader needs: below src/ when the file is in it ("ops/ref/combine.c"). */
+/* The path a reader needs: below src/ when the file is in it ("ops/host/combine.c"). */
 static const char *epx__log_short_path(const char *file)
 {
     if (file == NULL)

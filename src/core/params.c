@@ -27,6 +27,7 @@
 
 #include "core/core.h"
 #include "core/core_private.h"
+#include "epx_tool.h"
 
 typedef enum {
     EPX__PARAM_INT,
@@ -439,4 +440,62 @@ void epx__params_reset(void)
     pthread_mutex_unlock(&epx__params_mutex);
     /* The logger caches its level and file from the table; make it read them again. */
     epx__log_reset();
+}
+
+/* ---------------------------------------------------------------- public (include/epx_tool.h) */
+
+epx_status_t epx_params_load(void)
+{
+    epx__clear_error();
+    return epx__params_load();
+}
+
+epx_status_t epx_param_info(int index, epx_param_info_t *info)
+{
+    epx__clear_error();
+    if (info == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "param_info: info is NULL");
+    if (info->size != sizeof(epx_param_info_t))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "param_info: info.size is %zu, expected %zu (use EPX_PARAM_INFO_INIT)",
+                         info->size, sizeof(epx_param_info_t));
+    if (index < 0 || index >= EPX_PARAM_COUNT_)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "param_info: index %d is outside 0..%d", index,
+                         EPX_PARAM_COUNT_ - 1);
+    epx__params_ensure_read();
+    const epx__param_def_t *def = &epx__param_defs[index];
+    epx_param_info_t filled = EPX_PARAM_INFO_INIT;
+    filled.name = def->name;
+    filled.doc = def->doc;
+    filled.is_int = def->type == EPX__PARAM_INT;
+    if (filled.is_int) {
+        filled.int_default = def->int_default;
+        filled.int_value = epx__params_values[index].int_value;
+    } else {
+        filled.string_default = def->string_default;
+        filled.string_value = epx__param_string((epx_param_id_t)index);
+    }
+    *info = filled;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx_param_find(const char *name, epx_param_info_t *info)
+{
+    epx__clear_error();
+    if (name == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "param_find: name is NULL");
+    for (int id = 0; id < EPX_PARAM_COUNT_; id++)
+        if (strcmp(epx__param_defs[id].name, name) == 0)
+            return epx_param_info(id, info);
+    return EPX_ERROR(EPX_ERR_INVALID_ARG, "param_find: %s is not an epx tunable (epx params "
+                     "lists them)", name);
+}
+
+epx_status_t epx_params_print(FILE *out)
+{
+    epx__clear_error();
+    if (out == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "params_print: out is NULL");
+    epx__params_print(out);
+    return EPX_SUCCESS;
 }

@@ -10,7 +10,8 @@
  */
 #include <stdio.h>
 
-#include "internal.h"
+#include "core/core.h"
+#include "core/tensor.h"
 
 size_t epx_dtype_size(epx_dtype_t dtype)
 {

@@ -1,5 +1,5 @@
 /*
- * Deterministic MoE inputs and the pure reference of DESIGN.md section 2.
+ * Deterministic MoE inputs and the pure reference of docs/DESIGN.md section 2.
  *
  * This file is the independent check on src/: it shares no code with the library and
  * is written to be obviously right rather than fast. Every random value is a pure

@@ -1,5 +1,5 @@
 /*
- * Deterministic MoE inputs and the pure reference of DESIGN.md section 2 (the oracle).
+ * Deterministic MoE inputs and the pure reference of docs/DESIGN.md section 2 (the oracle).
  * Shared by the tests and `epx bench --check`. Every rank can regenerate every other
  * rank's inputs from the seed, so each rank computes its own expected results locally,
  * independently of any backend.
@@ -46,7 +46,7 @@ typedef struct {
 int moe_inputs_make(const moe_case_t *c, int rank, moe_inputs_t *in);
 void moe_inputs_free(moe_inputs_t *in);
 
-/* What rank `rank` must receive from dispatch (DESIGN.md section 2). */
+/* What rank `rank` must receive from dispatch (docs/DESIGN.md section 2). */
 typedef struct {
     int64_t num_recv;
     void *recv_x;              /* [num_recv, hidden] */

@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 STATUSES = {"pass", "warn", "fail", "not-present", "skip"}
-# Every check the doctor reports, in order (tools/doctor_checks.h). A check that
+# Every check the doctor reports, in order (tools/doctor/doctor_checks.h). A check that
 # crashes in its child process reports under the name of its group's first check, so
 # names are checked against this set, and the groups must all be there.
 KNOWN = [

@@ -19,7 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "internal.h"
+#include "epx.h"
 #include "moe_case.h"
 
 #define CUDA_OK(call)                                                                    \
@@ -67,13 +67,21 @@ static void *to_device(const void *host, size_t bytes)
 }
 
 /* Rows of a (possibly strided) device tensor, compared bytewise with the expected. */
+/* Elements between rows of a result view (its strides, or contiguous when they are 0). */
+static int64_t row_stride(const epx_tensor_t *t)
+{
+    if (t->strides[0] != 0)
+        return t->strides[0];
+    return t->ndim == 3 ? t->shape[1] * t->shape[2] : t->ndim == 2 ? t->shape[1] : 1;
+}
+
 static void check_rows(const char *what, const epx_tensor_t *t, const void *want, int64_t rows,
                        int64_t row_bytes)
 {
     if (rows == 0)
         return;
     char *got = malloc((size_t)(rows * row_bytes));
-    size_t pitch = (size_t)(epx__tensor_row_stride(t) * (int64_t)epx_dtype_size(t->dtype));
+    size_t pitch = (size_t)(row_stride(t) * (int64_t)epx_dtype_size(t->dtype));
     CUDA_OK(cudaMemcpy2D(got, (size_t)row_bytes, t->data, pitch, (size_t)row_bytes, (size_t)rows,
                          cudaMemcpyDeviceToHost));
     for (int64_t r = 0; r < rows; r++)
@@ -377,7 +385,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
 
     /* Payload of every rank (the floor counts all bytes received by all ranks). */
     int64_t *all = calloc((size_t)info->world_size, sizeof(int64_t));
-    EPX_OK(epx__bootstrap_allgather(group->bootstrap, &n, all, sizeof(n)));
+    EPX_OK(epx_group_allgather(group, &n, all, sizeof(n)));
     int64_t rows_total = 0;
     for (int r = 0; r < info->world_size; r++)
         rows_total += all[r];
@@ -423,7 +431,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "cuda_normal: group: %s: %s\n", epx_status_name(status), epx_last_error());
         return 1;
     }
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     EPX_OK(epx_group_get_info(group, &info));
     g_rank = info.rank;
     CUDA_OK(cudaSetDevice(info.device));

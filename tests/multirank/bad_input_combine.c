@@ -164,11 +164,16 @@ void bi_run_combine_cases(void)
     /* The unbroken arguments combine. */
     combine_setup(&cf);
     CHECK_OK(epx_combine(cf.f.buffer, &cf.args, NULL));
-    epx_handle_info_t info;
+    epx_handle_info_t info = EPX_HANDLE_INFO_INIT;
     bi_expect("handle_get_info: NULL handle", epx_handle_get_info(NULL, &info), INVALID,
               "handle");
     bi_expect("handle_get_info: NULL info", epx_handle_get_info(cf.args.handle, NULL), INVALID,
               "info");
+    info.size = sizeof(info) + 8;
+    bi_expect("handle_get_info: bad info.size", epx_handle_get_info(cf.args.handle, &info),
+              INVALID, "EPX_HANDLE_INFO_INIT");
+    CHECK_EQ_INT(info.num_tokens, 0); /* nothing written on a refusal */
+    info.size = sizeof(info);
     CHECK_OK(epx_handle_get_info(cf.args.handle, &info));
     CHECK_EQ_INT(info.num_tokens, BI_TOKENS);
     CHECK_EQ_INT(info.num_recv_tokens, cf.num_recv);

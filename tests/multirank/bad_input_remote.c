@@ -56,6 +56,11 @@ static void run_one_bad_rank(const char *what, int bad, epx_dtype_t dtype, int64
 }
 
 static void expert_out_of_range(bi_fixture_t *f) { bi_set_expert(f, 1, 1, f->c.num_experts); }
+/* The caller found a problem itself and aborts the buffer before the collective call. */
+static void caller_aborts(bi_fixture_t *f)
+{
+    CHECK_OK(epx_buffer_abort(f->buffer, EPX_ERR_INVALID_ARG, "the caller refused its x"));
+}
 static void no_change(bi_fixture_t *f) { (void)f; }
 
 /* A good dispatch on every rank, then rank 0 passes a wrong out_x to combine. */
@@ -124,12 +129,40 @@ static void run_bad_configs(void)
     CHECK(buffer == NULL);
 }
 
+/* epx_buffer_abort on one rank (any world size): refusals first, then the abort. */
+void bi_run_abort_cases(void)
+{
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    bi_expect("buffer_abort: NULL buffer", epx_buffer_abort(NULL, EPX_ERR_INVALID_ARG, "x"),
+              EPX_ERR_INVALID_ARG, "buffer");
+    bi_expect("buffer_abort: EPX_SUCCESS", epx_buffer_abort(f.buffer, EPX_SUCCESS, "x"),
+              EPX_ERR_INVALID_ARG, "status");
+    bi_expect("buffer_abort: status 999", epx_buffer_abort(f.buffer, (epx_status_t)999, "x"),
+              EPX_ERR_INVALID_ARG, "status");
+    /* Refused aborts changed nothing: the buffer still works. */
+    epx_status_t error = EPX_SUCCESS;
+    CHECK_OK(epx_get_async_error(f.buffer, &error, NULL, 0));
+    CHECK_STATUS(error, EPX_SUCCESS);
+    if (bi_info.world_size == 1) {
+        CHECK_OK(epx_dispatch(f.buffer, &f.args, &f.result, NULL));
+        CHECK_OK(epx_handle_destroy(f.result.handle));
+        f.result = (epx_dispatch_result_t)EPX_DISPATCH_RESULT_INIT;
+        /* A NULL message gets a default text; later calls return the abort's status. */
+        CHECK_OK(epx_buffer_abort(f.buffer, EPX_ERR_TIMEOUT, NULL));
+        expect_poisoned(&f, EPX_ERR_TIMEOUT, "aborted");
+    }
+    bi_teardown(&f);
+}
+
 void bi_run_remote_cases(void)
 {
     run_one_bad_rank("dispatch: rank 1 expert id out of range", 1, EPX_DTYPE_BF16, BI_TOKENS,
                      expert_out_of_range, EPX_ERR_INVALID_ARG, "topk_idx");
     run_one_bad_rank("dispatch: rank 1 over max_tokens", 1, EPX_DTYPE_FP8_E4M3,
                      BI_MAX_TOKENS + 3, no_change, EPX_ERR_CAPACITY, "max_tokens_per_rank");
+    run_one_bad_rank("dispatch: rank 1 aborted the buffer first", 1, EPX_DTYPE_BF16, BI_TOKENS,
+                     caller_aborts, EPX_ERR_INVALID_ARG, "refused");
     run_bad_combine();
     run_bad_configs();
     bi_run_ll_alignment_cases();

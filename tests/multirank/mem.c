@@ -23,7 +23,7 @@ static int use_device = 0;
 
 void mr_mem_init(epx_group_t group)
 {
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     use_device = 0;
 #ifdef EPX_WITH_CUDA

@@ -20,7 +20,7 @@
 #include "test_util.h"
 
 epx_group_t bi_group;
-epx_group_info_t bi_info;
+epx_group_info_t bi_info = EPX_GROUP_INFO_INIT;
 
 /* Is `word` in `text` with no identifier character on either side? */
 static int mentions_word(const char *text, const char *word)
@@ -126,6 +126,7 @@ int main(int argc, char **argv)
         bi_run_combine_cases();
         bi_run_layout_cases();
         bi_run_ll_cases();
+        bi_run_abort_cases();
     } else if (strcmp(mode, "remote") == 0) {
         if (bi_info.world_size < 2)
             TEST_FAIL("--mode remote needs at least 2 ranks");

@@ -142,7 +142,7 @@ static int run_child(int argc, char **argv, const char *variant)
 {
     /* Whatever goes wrong, this rank ends: a hang becomes a failure the parent sees. */
     alarm(60);
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx_group_t group = mr_group_create(argc, argv, &info);
     int rank = info.rank;
     moe_case_t c = {NUM_RANKS, 48, 256, 4 * NUM_RANKS, 4, EPX_DTYPE_BF16, 1, 77,

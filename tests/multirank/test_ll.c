@@ -29,7 +29,7 @@
 #include "test_util.h"
 
 static epx_group_t group;
-static epx_group_info_t info;
+static epx_group_info_t info = EPX_GROUP_INFO_INIT;
 
 #define MAX_TOKENS 8
 #define EXPERTS_PER_RANK 5

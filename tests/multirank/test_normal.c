@@ -200,7 +200,7 @@ static void check_dispatch(const nt_ctx_t *ctx, const char *step,
     nt_check_recv(ctx, step, &got, want_routing, want_routing);
     nt_recv_free(&got);
 
-    epx_handle_info_t info;
+    epx_handle_info_t info = EPX_HANDLE_INFO_INIT;
     CHECK_OK(epx_handle_get_info(res->handle, &info));
     /* A GPU backend in worst-case mode may not know the received count on the host. */
     int64_t want_recv = res->num_recv_tokens < 0 && info.num_recv_tokens < 0
@@ -331,7 +331,7 @@ static void combine_view_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
     epx_tensor_t view = EPX_TENSOR_NONE, again = EPX_TENSOR_NONE;
     CHECK_OK(epx_get_combine_input(buffer, handle, &view));
     CHECK_OK(epx_get_combine_input(buffer, handle, &again));
-    epx_handle_info_t info;
+    epx_handle_info_t info = EPX_HANDLE_INFO_INIT;
     CHECK_OK(epx_handle_get_info(handle, &info));
     int64_t rows = info.num_recv_tokens >= 0 ? info.num_recv_tokens : max_tokens * c->world_size;
     if (view.data == NULL || view.dtype != EPX_DTYPE_BF16 || view.ndim != 2 ||
@@ -518,6 +518,21 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
                c.num_topk, mr_now_ms() - start);
 }
 
+/* epx_group_allgather: rank i's record lands at index i on every rank. */
+static void check_group_allgather(epx_group_t group, const epx_group_info_t *info)
+{
+    int world = info->world_size;
+    int64_t mine[2] = {1000 + info->rank, -(int64_t)info->rank * 7};
+    int64_t *all = calloc((size_t)world * 2, sizeof(int64_t));
+    CHECK(all != NULL);
+    CHECK_OK(epx_group_allgather(group, mine, all, sizeof(mine)));
+    for (int r = 0; r < world; r++) {
+        CHECK_EQ_INT(all[2 * r], 1000 + r);
+        CHECK_EQ_INT(all[2 * r + 1], -(int64_t)r * 7);
+    }
+    free(all);
+}
+
 int main(int argc, char **argv)
 {
     const char *name = mr_flag(argc, argv, "--case", "all");
@@ -532,8 +547,9 @@ int main(int argc, char **argv)
         return 2;
     }
 
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx_group_t group = mr_group_create(argc, argv, &info);
+    check_group_allgather(group, &info);
     for (int i = 0; i < NUM_CASES; i++)
         if (strcmp(name, "all") == 0 || strcmp(name, cases[i].name) == 0)
             run_case(group, &info, i);

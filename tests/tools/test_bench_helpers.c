@@ -131,7 +131,7 @@ static void test_ll_statistics(void)
     CHECK(values[0] == 4 && values[1] == 1); /* not sorted in place */
     stats = epx__bench_stats(values, 0);
     CHECK(isnan(stats.median_us) && isnan(stats.p99_us) && isnan(stats.mean_us));
-    /* DESIGN.md section 5: 8 ranks x 1024 fp8 rows of 7392 B, read and written, at
+    /* docs/DESIGN.md section 5: 8 ranks x 1024 fp8 rows of 7392 B, read and written, at
      * 4250 GB/s is about 28.5 us. */
     CHECK(fabs(epx__bench_copy_time_us(2LL * 8 * 1024 * 7392, 4250) - 28.5) < 0.05);
     CHECK(isnan(epx__bench_copy_time_us(0, 4250)));

@@ -1,6 +1,6 @@
 /*
  * The expected traffic across nodes that `epx bench --ranks-per-node` prints
- * (tools/bench_nodes.c), on a routing small enough to count by hand: 4 ranks in 2 nodes
+ * (tools/bench/bench_nodes.c), on a routing small enough to count by hand: 4 ranks in 2 nodes
  * {0, 1} {2, 3}, 8 experts (rank r holds experts 2r and 2r + 1), top-3, hidden 256.
  */
 #include <stdio.h>

@@ -9,7 +9,7 @@
 #include <unistd.h>
 
 #include "fork_ranks.h"
-#include "internal.h"
+#include "api.h"
 #include "test_util.h"
 
 #define LONG_TIMEOUT_MS 8000
@@ -49,7 +49,7 @@ static int body_allgather(int rank, int world_size, void *arg)
 {
     (void)arg;
     epx_group_t group = create_group(rank, world_size, LONG_TIMEOUT_MS);
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     CHECK_EQ_INT(info.rank, rank);
     CHECK_EQ_INT(info.world_size, world_size);

@@ -196,7 +196,7 @@ static int backend_rank(int rank, int world, void *opaque)
     config.timeout_ms = 15000;
     epx_group_t group = NULL;
     CHECK_OK(epx_group_create(&config, &group));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     CHECK_EQ_INT(info.ranks_per_node, arg->per_node);
 

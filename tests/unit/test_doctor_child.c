@@ -4,7 +4,7 @@
  * happened (and what it printed last), and the doctor goes on. Also the program runner
  * used for nvidia-cuda-mps-control, python3 and the smoke run.
  *
- * Built with tools/doctor_child.c and tools/doctor_report.c (tests/doctor.cmake).
+ * Built with tools/doctor/doctor_child.c and tools/doctor/doctor_report.c (tests/doctor.cmake).
  */
 #include <signal.h>
 #include <stdio.h>

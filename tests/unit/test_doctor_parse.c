@@ -4,7 +4,7 @@
  * sysfs InfiniBand port entries and PCI trees, NVML P2P answers mapped to the pair
  * matrix, sizes, versions and `epx bench --json` lines.
  *
- * Built with tools/doctor_parse.c and tools/doctor_sysfs.c (tests/doctor.cmake).
+ * Built with tools/doctor/doctor_parse.c and tools/doctor/doctor_sysfs.c (tests/doctor.cmake).
  */
 #include <math.h>
 #include <stdio.h>

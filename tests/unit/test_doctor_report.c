@@ -3,7 +3,7 @@
  * fails), JSON strings that stay valid whatever a driver or library wrote into a
  * detail, and the two printers.
  *
- * Built with tools/doctor_report.c (tests/doctor.cmake).
+ * Built with tools/doctor/doctor_report.c (tests/doctor.cmake).
  */
 #include <stdio.h>
 #include <stdlib.h>

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "fork_ranks.h"
-#include "internal.h"
+#include "api.h"
 #include "test_util.h"
 
 #define SENTINEL ((epx_group_t)0x1234)
@@ -77,7 +77,7 @@ static void test_rejected_fields(void)
 
     CHECK_STATUS(epx_group_destroy(NULL), EPX_ERR_INVALID_ARG);
     CHECK_STATUS(epx_group_barrier(NULL), EPX_ERR_INVALID_ARG);
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_STATUS(epx_group_get_info(NULL, &info), EPX_ERR_INVALID_ARG);
 }
 
@@ -87,9 +87,17 @@ static void test_group_of_one(void)
     epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
     epx_group_t group = NULL;
     CHECK_OK(epx_group_create(&config, &group));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     memset(&info, 0x7f, sizeof(info));
+    /* A size the library does not know is refused and nothing is written. */
+    info.size = sizeof(info) - 1;
+    epx_group_info_t before = info;
+    CHECK_STATUS(epx_group_get_info(group, &info), EPX_ERR_INVALID_ARG);
+    CHECK(strstr(epx_last_error(), "EPX_GROUP_INFO_INIT") != NULL);
+    CHECK(memcmp(&before, &info, sizeof(info)) == 0);
+    info.size = sizeof(info);
     CHECK_OK(epx_group_get_info(group, &info));
+    CHECK(info.size == sizeof(info));
     CHECK_EQ_INT(info.rank, 0);
     CHECK_EQ_INT(info.world_size, 1);
     CHECK_EQ_INT(info.local_rank, 0);
@@ -100,6 +108,21 @@ static void test_group_of_one(void)
     int64_t mine = 42, all = 0;
     CHECK_OK(epx__bootstrap_allgather(group->bootstrap, &mine, &all, sizeof(mine)));
     CHECK_EQ_INT(all, 42);
+    /* The public allgather: values, and every bad argument refused. */
+    mine = 4242;
+    all = 0;
+    CHECK_OK(epx_group_allgather(group, &mine, &all, sizeof(mine)));
+    CHECK_EQ_INT(all, 4242);
+    CHECK_STATUS(epx_group_allgather(NULL, &mine, &all, sizeof(mine)), EPX_ERR_INVALID_ARG);
+    CHECK(strstr(epx_last_error(), "group is NULL") != NULL);
+    CHECK_STATUS(epx_group_allgather(group, NULL, &all, sizeof(mine)), EPX_ERR_INVALID_ARG);
+    CHECK(strstr(epx_last_error(), "send is NULL") != NULL);
+    CHECK_STATUS(epx_group_allgather(group, &mine, NULL, sizeof(mine)), EPX_ERR_INVALID_ARG);
+    CHECK(strstr(epx_last_error(), "recv is NULL") != NULL);
+    CHECK_STATUS(epx_group_allgather(group, &mine, &all, 0), EPX_ERR_INVALID_ARG);
+    CHECK(strstr(epx_last_error(), "bytes is 0") != NULL);
+    CHECK_STATUS(epx_group_allgather(group, &mine, &all, SIZE_MAX), EPX_ERR_INVALID_ARG);
+    CHECK_EQ_INT(all, 4242);
     epx_group_info_t untouched = info;
     CHECK_STATUS(epx_group_get_info(group, NULL), EPX_ERR_INVALID_ARG);
     CHECK(memcmp(&untouched, &info, sizeof(info)) == 0);
@@ -211,7 +234,7 @@ static int body_local_ranks(int rank, int world_size, void *arg)
     config.timeout_ms = 8000;
     epx_group_t group = NULL;
     CHECK_OK(epx_group_create(&config, &group));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     CHECK_EQ_INT(info.ranks_per_node, 2);
     CHECK_EQ_INT(info.local_rank, rank == 3 ? 5 : rank % 2);
@@ -270,7 +293,7 @@ static int body_from_env(int rank, int world_size, void *arg)
     epx__params_reset();
     epx_group_t group = NULL;
     CHECK_OK(epx_group_create_from_env(EPX_BACKEND_AUTO, &group));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     CHECK_EQ_INT(info.rank, rank);
     CHECK_EQ_INT(info.world_size, world_size);
@@ -287,7 +310,7 @@ static void test_from_env(void)
     epx_group_t group = SENTINEL;
     set_env(NULL, NULL, NULL);
     CHECK_OK(epx_group_create_from_env(EPX_BACKEND_HOST, &group));
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK_OK(epx_group_get_info(group, &info));
     CHECK_EQ_INT(info.world_size, 1);
     CHECK_EQ_INT(info.backend, EPX_BACKEND_HOST);

@@ -147,9 +147,9 @@ static void test_parsers_and_paths(void)
     CHECK(strcmp(bad, "gpu") == 0);
     CHECK(epx__log_parse_subsys("", &mask, bad, sizeof(bad)) != 0);
 
-    CHECK_EQ_INT(epx__log_subsys_of_file("/w/src/ops/ref/dispatch.c"), EPX_SUBSYS_OPS);
+    CHECK_EQ_INT(epx__log_subsys_of_file("/w/src/ops/host/dispatch.c"), EPX_SUBSYS_OPS);
     CHECK_EQ_INT(epx__log_subsys_of_file("/w/src/bootstrap/tcp.c"), EPX_SUBSYS_BOOTSTRAP);
-    CHECK_EQ_INT(epx__log_subsys_of_file("src/transport/shm.c"), EPX_SUBSYS_TRANSPORT);
+    CHECK_EQ_INT(epx__log_subsys_of_file("src/transport/shm/shm.c"), EPX_SUBSYS_TRANSPORT);
     CHECK_EQ_INT(epx__log_subsys_of_file("/w/src/epx.c"), EPX_SUBSYS_CORE);
     CHECK_EQ_INT(epx__log_subsys_of_file("/home/ops/epx/src/core/log.c"), EPX_SUBSYS_CORE);
     CHECK_EQ_INT(epx__log_subsys_of_file("/w/tools/launch.c"), EPX_SUBSYS_TOOLS);

@@ -1,5 +1,5 @@
 /*
- * The shared-memory transport of the host backend (src/transport/shm.h), with real
+ * The shared-memory transport of the host backend (src/transport/shm/shm.h), with real
  * ranks: the test forks 4 processes that form a group over the TCP bootstrap and map
  * each other's segments. Scenarios: data crosses barriers intact; a rank that exits
  * (reaped or left a zombie), a rank that aborts, and a rank that never arrives each
@@ -17,9 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "api.h"
 #include "test_util.h"
-#include "transport/shm_private.h"
+#include "transport/shm/shm_private.h"
 
 #define WORLD 4
 #define SCENARIO_DEADLINE_S 30
@@ -198,7 +198,8 @@ static int run_child(const scenario_t *s, int rank, const epx_unique_id_t *id)
     epx_group_t group = NULL;
     CHECK_OK(epx_group_create(&config, &group));
     epx__shm_t *shm = NULL;
-    epx_status_t status = epx__shm_create(group, bytes_for(s, rank), &shm);
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    epx_status_t status = epx__shm_create(&ranks, bytes_for(s, rank), &shm);
     int code;
     if (s->on_create != NULL) {
         code = s->on_create(rank, status);

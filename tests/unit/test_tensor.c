@@ -5,7 +5,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "internal.h"
+#include "api.h"
 #include "test_util.h"
 
 static char storage[64];

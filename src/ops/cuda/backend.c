@@ -111,9 +111,9 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     s->off_x = off = align_up(off, EPX_CUDA_REGION_ALIGN);
     off += rows * s->x_pitch_max;
     s->off_scales = -1;
-    if (s->hidden % 128 == 0) {
+    if (s->hidden % EPX__FP8_BLOCK == 0) {
         s->off_scales = off = align_up(off, EPX_CUDA_REGION_ALIGN);
-        off += rows * (s->hidden / 128) * 4;
+        off += rows * (s->hidden / EPX__FP8_BLOCK) * 4;
     }
     s->off_topk_idx = off = align_up(off, EPX_CUDA_REGION_ALIGN);
     off += rows * K * 8;
@@ -247,7 +247,8 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
             status = create_local(buffer, cuda);
     } else if (with_normal) {
         /* Collective: a local failure above is carried into the IPC step's vote. */
-        status = epx__cuda_ipc_create(group, (size_t)cuda->shape.shared_bytes, status,
+        epx__transport_ranks_t ranks = epx__group_ranks(group);
+        status = epx__cuda_ipc_create(&ranks, (size_t)cuda->shape.shared_bytes, status,
                                       &cuda->ipc);
         if (status == EPX_SUCCESS) {
             cuda->shared = cuda->ipc->local;
@@ -258,17 +259,13 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     /* Low-latency mode (collective as well; a failure above joins its votes). */
     status = epx__cuda_ll_create(buffer, status, &cuda->ll);
     /* Everyone learns whether everyone is ready before any rank starts an operation. */
-    int32_t mine = (int32_t)status;
+    int32_t mine = 0;
     int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
-    epx_status_t gathered =
-        all == NULL ? EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory")
-                    : epx__bootstrap_allgather(group->bootstrap, &mine, all, sizeof(mine));
-    if (status == EPX_SUCCESS && gathered != EPX_SUCCESS)
-        status = gathered;
-    for (int r = 0; status == EPX_SUCCESS && r < group->world_size; r++)
-        if (all[r] != EPX_SUCCESS)
-            status = EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d failed (%s)", r,
-                               epx_status_string((epx_status_t)all[r]));
+    if (all == NULL)
+        status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
+    else
+        status = epx__bootstrap_vote(group->bootstrap, group->world_size, status, &mine, all,
+                                     sizeof(mine), "buffer_create", "failed");
     free(all);
     if (status != EPX_SUCCESS) {
         release_buffer(cuda);
@@ -299,57 +296,48 @@ static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t
 }
 
 /*
- * Collective (the destroy's barrier): 1 when no rank saw a low-latency peer fail or
- * masked one. Freeing symmetric memory is collective too, so either every rank frees
- * it or none does (a masked rank may be gone; then it stays until the process exits).
+ * Before the destroy's vote (src/epx.c): let this rank's queued operations finish (a
+ * peer may still be reading this rank's memory: combine pulls), record any failure the
+ * device saw, and say whether this rank can take part in freeing the NVSHMEM memory,
+ * which is collective: only when no peer is masked (a masked rank may be gone; then the
+ * memory stays until the process exits).
  */
-static int ll_all_healthy(epx_buffer_t buffer)
+static int cuda_destroy_ready(epx_buffer_t buffer)
 {
-    int R = buffer->group->world_size;
-    /* [R] every rank's verdict, then [R] this rank's mask. */
-    int32_t *words = calloc(2 * (size_t)R, sizeof(int32_t));
-    if (words == NULL) {
-        (void)epx__bootstrap_barrier(buffer->group->bootstrap);
-        return 0;
-    }
-    int32_t *mine = words + R;
     epx__cuda_buffer_t *cuda = buffer->impl;
-    int32_t ok = 1;
-    if (cuda->ll != NULL) {
-        epx__cuda_ll_poll(buffer);
-        ok = atomic_load(&buffer->ll_peer_error) == EPX_SUCCESS;
-        epx__cuda_ll_get_masked(buffer, mine);
-        for (int r = 0; r < R; r++)
-            ok = ok && !mine[r];
-    }
-    int all = epx__bootstrap_allgather(buffer->group->bootstrap, &ok, words, sizeof(int32_t)) ==
-              EPX_SUCCESS;
-    for (int r = 0; all && r < R; r++)
-        all = words[r] != 0;
-    free(words);
-    return all;
+    if (cuda == NULL)
+        return 0;
+    (void)cudaSetDevice(buffer->group->device);
+    (void)cudaDeviceSynchronize();
+    if (epx__cuda_note_failure(buffer))
+        return 0;
+    if (cuda->ll == NULL)
+        return 1;
+    int R = buffer->group->world_size;
+    int32_t *mask = calloc((size_t)R, sizeof(int32_t));
+    if (mask == NULL)
+        return 0;
+    epx__cuda_ll_poll(buffer);
+    int ready = atomic_load(&buffer->ll_peer_error) == EPX_SUCCESS;
+    epx__cuda_ll_get_masked(buffer, mask);
+    for (int r = 0; r < R; r++)
+        ready = ready && !mask[r];
+    free(mask);
+    return ready;
 }
 
-static void cuda_buffer_destroy(epx_buffer_t buffer)
+/* Parts a buffer does not have (no normal mode across nodes, no low-latency mode) are
+ * NULL and skipped. */
+static void cuda_buffer_destroy(epx_buffer_t buffer, int all_ready)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     if (cuda == NULL)
         return;
     (void)cudaSetDevice(buffer->group->device);
-    /* Let this rank's queued operations finish, then wait until every peer's have:
-     * a peer may still be reading this rank's memory (combine pulls). A buffer that
-     * failed skips the barrier: its peers may be gone. Parts a buffer does not have
-     * (no normal mode across nodes, no low-latency mode) are NULL and skipped. */
-    (void)cudaDeviceSynchronize();
-    int healthy = atomic_load(&buffer->async_error) == EPX_SUCCESS &&
-                  !epx__cuda_note_failure(buffer);
-    int ll_healthy = 0;
-    if (healthy)
-        ll_healthy = ll_all_healthy(buffer); /* also the barrier */
-    epx__cuda_ll_destroy(cuda->ll, ll_healthy);
+    epx__cuda_ll_destroy(cuda->ll, all_ready);
     cuda->ll = NULL;
     /* After the low-latency part: symmetric frees happen in the same order everywhere. */
-    epx__cuda_xn_destroy(cuda, ll_healthy);
+    epx__cuda_xn_destroy(cuda, all_ready);
     release_buffer(cuda);
     buffer->impl = NULL;
 }
@@ -420,6 +408,9 @@ static void cuda_poll_async_error(epx_buffer_t buffer)
 
 const epx__backend_ops_t epx__cuda_backend = {
     .name = "cuda",
+    .device_count = epx__cuda_device_count,
+    .group_destroy = epx__cuda_ll_group_destroy,
+    .destroy_ready = cuda_destroy_ready,
     .buffer_size = cuda_buffer_size,
     .buffer_create = cuda_buffer_create,
     .buffer_destroy = cuda_buffer_destroy,
@@ -437,5 +428,5 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
     .normal_available = epx__cuda_require_normal,
-    .ll_row_align = 16,
+    .ll_row_align = EPX__VECTOR_BYTES,
 };

@@ -118,12 +118,9 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
                 int4 v[kGroup][kUnroll];
 #pragma unroll
                 for (int g = 0; g < kGroup; g++)
-#pragma unroll
-                    for (int u = 0; u < kUnroll; u++) {
-                        int64_t i = i0 + u * 32 + lane;
-                        if (j0 + g < n && i < units)
-                            v[g][u] = epx_ld_nc_v4(src_row[warp][j0 + g] + i * 16);
-                    }
+                    if (j0 + g < n)
+                        epx_ld16_batch<kUnroll>(v[g], src_row[warp][j0 + g], i0, units, lane,
+                                                16);
                 /* Sources in rank order, one add each: the reference's summation order. */
 #pragma unroll
                 for (int g = 0; g < kGroup; g++) {

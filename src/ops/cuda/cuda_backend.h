@@ -16,10 +16,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "internal.h"
+#include "ops/backend.h"
 #include "ops/cuda/launch.h"
-#include "transport/cuda/cuda_status.h"
-#include "transport/cuda/ipc.h"
+#include "transport/cuda_status.h"
+#include "transport/cuda_ipc/ipc.h"
 
 /* ---------------------------------------------------------------- handle memory */
 
@@ -78,6 +78,9 @@ typedef struct {
     char error_message[400];
     struct epx__cuda_ll *ll; /* low-latency mode (ll.h), NULL when off */
 } epx__cuda_buffer_t;
+
+/* Visible CUDA devices, 0 without a driver or device (the table's device_count). */
+int epx__cuda_device_count(void);
 
 /* Nodes the group spans: world_size / ranks_per_node (group.c checks it divides). */
 int epx__cuda_num_nodes(epx_group_t group);

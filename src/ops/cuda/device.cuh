@@ -134,6 +134,95 @@ __device__ __forceinline__ void epx_st16(void *p, int4 v, int align)
     epx_st_u32_bytes(b + 12, (uint32_t)v.w, align);
 }
 
+/* ---------------------------------------------------------------- row copies */
+
+/*
+ * The vector loop of every row copy: in a batch starting at unit i0, lane `lane` of a
+ * warp handles the 16-byte units i0 + u * 32 + lane for u < kDepth (those below
+ * `units`). Loading the whole batch before storing keeps kDepth vectors in flight per
+ * lane: a copy is bound by the bytes in flight, not by instructions. The source may be
+ * aligned to less than 16 bytes (`align`, see epx_ld16); the destination is the
+ * library's own memory, always 16-byte aligned.
+ */
+template <int kDepth>
+__device__ __forceinline__ void epx_ld16_batch(int4 (&v)[kDepth], const char *src, int64_t i0,
+                                               int64_t units, int lane, int align)
+{
+#pragma unroll
+    for (int u = 0; u < kDepth; u++) {
+        const int64_t i = i0 + (int64_t)u * 32 + lane;
+        if (i < units)
+            v[u] = epx_ld16(src + i * 16, align);
+    }
+}
+
+template <int kDepth>
+__device__ __forceinline__ void epx_st16_batch(char *dst, const int4 (&v)[kDepth], int64_t i0,
+                                               int64_t units, int lane)
+{
+#pragma unroll
+    for (int u = 0; u < kDepth; u++) {
+        const int64_t i = i0 + (int64_t)u * 32 + lane;
+        if (i < units)
+            epx_st_v4(dst + i * 16, v[u]);
+    }
+}
+
+/* Copy `units` 16-byte vectors between 16-byte aligned rows, by one warp. */
+template <int kDepth>
+__device__ __forceinline__ void epx_warp_copy16(char *dst, const char *src, int64_t units,
+                                                int lane)
+{
+    for (int64_t i0 = 0; i0 < units; i0 += 32 * kDepth) {
+        int4 v[kDepth];
+        epx_ld16_batch<kDepth>(v, src, i0, units, lane, 16);
+        epx_st16_batch<kDepth>(dst, v, i0, units, lane);
+    }
+}
+
+/* ---------------------------------------------------------------- waits and barriers */
+
+/*
+ * The spin of every flag wait: at most `spins` acquire loads of *flag; 1 once it is at
+ * least `target`, 0 when the spins ran out (the caller then checks its own reasons to
+ * give up, such as a timeout or a failed peer, and spins again).
+ */
+__device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t target,
+                                              uint32_t spins)
+{
+    for (uint32_t spin = 0; spin < spins; spin++)
+        if (epx_ld_acquire_sys(flag) >= target)
+            return 1;
+    return 0;
+}
+
+/*
+ * The last-block barrier. Called by every thread of every block at the end of its work:
+ * returns nonzero in exactly one block, the last to arrive, once every block's writes
+ * (peer memory included) are visible at system scope. Resets the counter for the next
+ * launch. Fences: each thread's own before the block barrier, then thread 0's
+ * (cumulative over the block) before it counts; the normal-mode kernels used the first,
+ * the low-latency kernels the second, and this keeps both. `flag` is a __shared__ int of
+ * the calling kernel (a function-scope __shared__ here would make the host compiler emit
+ * C++ static-guard calls into a C program).
+ */
+__device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
+{
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        uint32_t arrived = atomicAdd(counter, 1u);
+        *flag = arrived == gridDim.x - 1;
+        if (*flag) {
+            atomicExch(counter, 0u);
+            __threadfence_system();
+        }
+    }
+    __syncthreads();
+    return *flag;
+}
+
 /* ---------------------------------------------------------------- bf16 */
 
 __device__ __forceinline__ float epx_bf16_lo(uint32_t pair)

@@ -115,7 +115,7 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
     d.recv_pitch = d.row_bytes;
     d.x_align = epx__cuda_alignment(d.x, d.x_stride);
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3) {
-        d.num_scales = (int)(buffer->config.hidden / 128);
+        d.num_scales = (int)(buffer->config.hidden / EPX__FP8_BLOCK);
         d.scales = args->x_scales.data;
         d.scales_stride = epx__tensor_row_stride(&args->x_scales);
     }
@@ -151,7 +151,7 @@ static epx_status_t fill_outputs(epx_buffer_t buffer, const epx_dispatch_args_t 
                      &result->recv_x));
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3)
         EPX_CHECK(output(cuda, &args->recv_x_scales, s->off_scales, EPX_DTYPE_FP32, rows,
-                         hidden / 128, count, stream, &result->recv_x_scales));
+                         hidden / EPX__FP8_BLOCK, count, stream, &result->recv_x_scales));
     if (args->handle == NULL) {
         EPX_CHECK(output(cuda, &args->recv_topk_idx, s->off_topk_idx, EPX_DTYPE_INT64, rows, k,
                          count, stream, &result->recv_topk_idx));

@@ -84,21 +84,11 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
         for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
             int4 v[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                int64_t i = i0 + u * 32 + lane;
-                if (i < units)
-                    v[u] = epx_ld16(src + i * 16, a.x_align);
-            }
+            epx_ld16_batch<kUnroll>(v, src, i0, units, lane, a.x_align);
             for (int j = 0; j < n; j++) {
                 char *dst = peers[dest_rank[warp][j]] + s.off_x +
                             (int64_t)dest_row[warp][j] * a.recv_pitch;
-#pragma unroll
-                for (int u = 0; u < kUnroll; u++) {
-                    int64_t i = i0 + u * 32 + lane;
-                    if (i < units)
-                        epx_st_v4(dst + i * 16, v[u]);
-                }
+                epx_st16_batch<kUnroll>(dst, v, i0, units, lane);
             }
         }
 

@@ -22,6 +22,7 @@
 
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/ll.h"
+#include "transport/nvshmem/nvshmem.h"
 
 #define EPX_XN_ALIGN 256
 
@@ -123,7 +124,7 @@ epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
     xn->plugin = plugin;
     cuda->xn = xn;
     /* Collective on every PE, in the same order on all (the low-latency part follows). */
-    xn->sym = plugin->malloc_sym(bytes);
+    xn->sym = epx__nvshmem_malloc(bytes);
     if (xn->sym == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY,
                          "buffer_create: nvshmem_malloc of %zu bytes (internode normal mode) "
@@ -134,7 +135,7 @@ epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
     EPX_CUDA_CHECK(cudaMemset(xn->sym, 0, bytes), "buffer_create: zeroing the shared memory");
     int first = me / P * P;
     for (int r = first; r < first + P; r++) {
-        xn->peers[r] = r == me ? (char *)xn->sym : plugin->peer_ptr(xn->sym, r);
+        xn->peers[r] = r == me ? (char *)xn->sym : epx__nvshmem_peer(xn->sym, r);
         if (xn->peers[r] == NULL)
             return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                              "buffer_create: NVSHMEM gives no direct pointer to rank %d, which "
@@ -153,7 +154,7 @@ void epx__cuda_xn_destroy(epx__cuda_buffer_t *cuda, int healthy)
     if (xn == NULL)
         return;
     if (xn->sym != NULL && healthy)
-        xn->plugin->free_sym(xn->sym);
+        epx__nvshmem_free(xn->sym);
     epx__cuda_nvshmem_release(healthy);
     free(xn->peers);
     free(xn);

@@ -1,15 +1,15 @@
 /*
- * Low-latency mode of the CUDA backend, host side (docs/LOW_LATENCY.md). The kernels and
- * NVSHMEM live in the plugin (ll_plugin.h); this side loads it, sets NVSHMEM up once per
- * process, lays out and allocates the memory, and launches the kernels.
+ * Low-latency mode of the CUDA backend, host side (docs/LOW_LATENCY.md). The kernels
+ * live in the NVSHMEM plugin (ll_plugin.h), which the NVSHMEM transport loads and sets up
+ * (src/transport/nvshmem/nvshmem.h); this side lays out and allocates the memory and
+ * launches the kernels.
  *
- * Files: ll_setup.c (plugin, NVSHMEM, plan, create, destroy), ll_ops.c (the epx_ll_*
- * backend entries).
+ * Files: ll_setup.c (plan, create, destroy), ll_ops.c (the epx_ll_* backend entries).
  */
 #ifndef EPX_OPS_CUDA_LL_H
 #define EPX_OPS_CUDA_LL_H
 
-#include "internal.h"
+#include "ops/backend.h"
 #include "ops/cuda/ll_plugin.h"
 
 typedef struct {
@@ -46,11 +46,10 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
 void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy);
 
 /*
- * Find and load the NVSHMEM plugin as a low-latency buffer would (EPX_NVSHMEM_PLUGIN,
- * beside libepx, the build directory): its path and the NVSHMEM version linked into it.
- * Loads libnvshmem_host and the CUDA runtime, calls neither. For `epx doctor`.
+ * The group is being destroyed (the table's group_destroy): when it is the one that set
+ * NVSHMEM up, finalise NVSHMEM if every rank agrees it is safe (collective then).
  */
-epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3]);
+void epx__cuda_ll_group_destroy(epx_group_t group);
 
 /*
  * NVSHMEM for another user of the symmetric heap (internode normal mode): load the

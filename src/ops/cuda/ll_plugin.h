@@ -1,6 +1,8 @@
 /*
  * The CUDA backend's low-latency mode: the interface between libepx (host side,
- * src/ops/cuda/ll_*.c) and the NVSHMEM plugin libepx_nvshmem.so (src/ops/cuda/nvshmem/).
+ * src/ops/cuda/ll_*.c) and the kernels of the NVSHMEM plugin libepx_nvshmem.so
+ * (src/ops/cuda/nvshmem/). The plugin's NVSHMEM set-up is the transport's
+ * (src/transport/nvshmem/), which loads the library; the backend finds this table in it.
  *
  * Why a plugin: NVSHMEM device code needs relocatable device code, a device link step
  * and NVSHMEM's host library at run time. Keeping all of it in one library that epx
@@ -49,9 +51,8 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 3
+#define EPX_LL_PLUGIN_ABI 4
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
-#define EPX_LL_PLUGIN_FILE "libepx_nvshmem.so"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
        EPX_LL_KIND_COMBINE_DONE = 3 };
@@ -114,29 +115,13 @@ typedef struct {
     int use_fp8, round_scale, use_ue8m0;
 } epx_ll_op_t;
 
+/* The kernels (stream-ordered; each returns a cudaError_t as int). */
 typedef struct {
     int abi; /* EPX_LL_PLUGIN_ABI */
-    /* NVSHMEM's version (the one linked into the plugin). */
-    void (*nvshmem_version)(int *major, int *minor, int *patch);
-    /* The unique id: its size, and a fresh one (rank 0 makes it, the group shares it). */
-    size_t (*uid_size)(void);
-    int (*get_uid)(void *uid);
-    /* Initialise NVSHMEM as PE `rank` of `world` from the shared unique id (collective).
-     * Returns 0 or NVSHMEM's status; `message` gets a reason. The CUDA device is set. */
-    int (*init)(const void *uid, int rank, int world, char *message, size_t message_size);
-    /* Collective over all PEs, in the same order everywhere. */
-    void *(*malloc_sym)(size_t bytes);
-    void (*free_sym)(void *p);
-    void (*barrier_all)(void);
-    /* Peer `pe`'s address of symmetric `p` when this process can store to it, else NULL. */
-    void *(*peer_ptr)(void *p, int pe);
-    /* Kernels (stream-ordered; return a cudaError_t as int). */
     int (*dispatch_send)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     int (*dispatch_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     int (*combine_send)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
     int (*combine_recv)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, void *stream);
-    /* Collective on every PE; NVSHMEM cannot be set up again in this process. */
-    void (*finalize)(void);
     /* Internode normal mode (src/ops/cuda/internode.h): the count exchange, dispatch
      * (send + forward) and combine (ready + reduce + finish) on a normal-mode shape whose
      * shared allocation is symmetric. Stream-ordered; return a cudaError_t as int. */

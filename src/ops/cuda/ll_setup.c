@@ -1,41 +1,22 @@
 /*
- * Low-latency mode of the CUDA backend: loading the NVSHMEM plugin, setting NVSHMEM up
- * (once per process, bootstrapped by a unique id shared through the group), the memory
- * plan, and creating / destroying a buffer's low-latency part.
- *
- * NVSHMEM is process-wide: the first low-latency buffer initialises it with this
- * rank's place in its group, and later buffers must come from a group with the same
- * rank and size (the same processes). Destroying that group finalises it, once every
- * rank's low-latency buffers are gone and no rank saw a failed peer (the group votes
- * first, with its timeout, so a dead rank cannot hang nvshmem_finalize); otherwise it
- * stays until the process exits and the OS reclaims it. NVSHMEM cannot be set up twice
- * in a process, so low-latency CUDA buffers end with that group.
+ * Low-latency mode of the CUDA backend: the memory plan, and creating / destroying a
+ * buffer's low-latency part. NVSHMEM itself (the plugin library, its process-wide set-up
+ * and finalisation, symmetric memory, peer pointers) is the transport's
+ * (src/transport/nvshmem/nvshmem.h); this file finds the kernels in the same plugin.
+ * NVSHMEM cannot be set up twice in a process, so low-latency CUDA buffers end with the
+ * group that set it up.
  */
-#include <dlfcn.h>
-#include <limits.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <cuda_runtime_api.h>
 
 #include "ops/cuda/ll.h"
-#include "transport/cuda/cuda_status.h"
+#include "transport/cuda_status.h"
+#include "transport/nvshmem/nvshmem.h"
 
-#define EPX_LL_UID_BYTES 256
 #define EPX_LL_ALIGN 256
-
-static pthread_mutex_t nv_lock = PTHREAD_MUTEX_INITIALIZER;
-static struct {
-    const epx_ll_plugin_t *plugin;
-    char path[PATH_MAX];
-    int initialized, finalized, rank, world;
-    epx_group_t owner; /* the group that set NVSHMEM up */
-    int live_buffers;  /* low-latency buffers not destroyed */
-    int saw_failure;   /* a buffer was destroyed with a failed or masked peer */
-} nv;
 
 static size_t align_up(size_t value)
 {
@@ -79,7 +60,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     if (m <= 0)
         return EPX_SUCCESS;
     int R = group->world_size;
-    if (config->hidden % 8 != 0)
+    if (config->hidden % (EPX__VECTOR_BYTES / 2) != 0) /* bf16 rows in whole vectors */
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "buffer: low-latency mode on the CUDA backend moves 16-byte vectors, so "
                          "hidden must be a multiple of 8 (config has %lld)",
@@ -103,7 +84,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->hidden = config->hidden;
     s->max_tokens = m;
     s->rows = m * R;
-    s->scale_cols = config->hidden % 128 == 0 ? config->hidden / 128 : 0;
+    s->scale_cols = config->hidden % EPX__FP8_BLOCK == 0 ? config->hidden / EPX__FP8_BLOCK : 0;
     s->timeout_ns = group->timeout_ms * 1000000;
     s->x_row_bytes = (size_t)config->hidden * (config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 ? 1 : 2);
     /* Puts (and their staging memory) only where some peer may lack a direct pointer. */
@@ -139,197 +120,37 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     return EPX_SUCCESS;
 }
 
-/* Candidates: EPX_NVSHMEM_PLUGIN, beside the code of libepx, the build directory. */
-static epx_status_t load_plugin(void)
+/* The kernels' table in the plugin the transport loaded. */
+static epx_status_t find_kernels(const epx_ll_plugin_t **plugin)
 {
-    if (nv.plugin != NULL)
-        return EPX_SUCCESS;
-    char candidates[3][PATH_MAX];
-    int n = 0;
-    const char *forced = epx__param_string(EPX_PARAM_NVSHMEM_PLUGIN);
-    if (forced != NULL && forced[0] != '\0') {
-        snprintf(candidates[n++], PATH_MAX, "%s", forced);
-    } else {
-        Dl_info info;
-        if (dladdr((void *)load_plugin, &info) != 0 && info.dli_fname != NULL) {
-            const char *slash = strrchr(info.dli_fname, '/');
-            int dir = slash == NULL ? 0 : (int)(slash - info.dli_fname);
-            snprintf(candidates[n++], PATH_MAX, "%.*s%s%s", dir, info.dli_fname,
-                     dir > 0 ? "/" : "", EPX_LL_PLUGIN_FILE);
-        }
-#ifdef EPX_PLUGIN_BUILD_DIR
-        snprintf(candidates[n++], PATH_MAX, "%s/%s", EPX_PLUGIN_BUILD_DIR, EPX_LL_PLUGIN_FILE);
-#endif
-        snprintf(candidates[n++], PATH_MAX, "%s", EPX_LL_PLUGIN_FILE);
-    }
-    /* The reason worth reporting: a file that is there but does not load (a missing
-     * dependency, a wrong ABI) outranks the candidates that do not exist. */
-    char reason[512] = "", looked[1024] = "";
-    int present = 0;
-    for (int i = 0; i < n; i++) {
-        size_t used = strlen(looked);
-        snprintf(looked + used, sizeof(looked) - used, "%s%.300s", i > 0 ? ", " : "",
-                 candidates[i]);
-        void *library = dlopen(candidates[i], RTLD_NOW | RTLD_LOCAL);
-        if (library == NULL) {
-            const char *why = dlerror();
-            int exists = strchr(candidates[i], '/') != NULL && access(candidates[i], F_OK) == 0;
-            if (!present || exists)
-                snprintf(reason, sizeof(reason), "%s", why != NULL ? why : "dlopen failed");
-            present = present || exists;
-            continue;
-        }
-        epx_ll_plugin_entry_t entry;
-        *(void **)(&entry) = dlsym(library, EPX_LL_PLUGIN_SYMBOL);
-        const epx_ll_plugin_t *plugin = entry != NULL ? entry() : NULL;
-        if (plugin == NULL || plugin->abi != EPX_LL_PLUGIN_ABI) {
-            snprintf(reason, sizeof(reason), "%.300s is not an epx NVSHMEM plugin of ABI %d",
-                     candidates[i], EPX_LL_PLUGIN_ABI);
-            present = 1;
-            dlclose(library);
-            continue;
-        }
-        nv.plugin = plugin;
-        memcpy(nv.path, candidates[i], sizeof(nv.path));
-        return EPX_SUCCESS;
-    }
-    if (present)
+    epx_ll_plugin_entry_t entry;
+    *(void **)(&entry) = epx__nvshmem_symbol(EPX_LL_PLUGIN_SYMBOL);
+    const epx_ll_plugin_t *table = entry != NULL ? entry() : NULL;
+    if (table == NULL || table->abi != EPX_LL_PLUGIN_ABI)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "buffer: low-latency mode on the CUDA backend: %s is there but does "
-                         "not load (looked in: %s): %s",
-                         EPX_LL_PLUGIN_FILE, looked, reason);
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                     "buffer: low-latency mode on the CUDA backend needs %s (built when NVSHMEM "
-                     "is found: pip install nvidia-nvshmem-cu13 or set NVSHMEM_HOME, then "
-                     "rebuild; or point EPX_NVSHMEM_PLUGIN at it); looked in: %s (%s)",
-                     EPX_LL_PLUGIN_FILE, looked, reason);
-}
-
-epx_status_t epx__cuda_ll_plugin_load(const char **path, int version[3])
-{
-    pthread_mutex_lock(&nv_lock);
-    epx_status_t status = load_plugin();
-    if (status == EPX_SUCCESS) {
-        *path = nv.path;
-        nv.plugin->nvshmem_version(&version[0], &version[1], &version[2]);
-    }
-    pthread_mutex_unlock(&nv_lock);
-    return status;
-}
-
-/* Defaults for NVSHMEM that the user did not set (README lists them). */
-static void nvshmem_defaults(size_t sym_bytes)
-{
-    if (getenv("NVSHMEM_SYMMETRIC_SIZE") == NULL) {
-        /* The heap also holds NVSHMEM's own state; later buffers reuse freed space. */
-        size_t slack = sym_bytes / 4 > ((size_t)512 << 20) ? sym_bytes / 4 : ((size_t)512 << 20);
-        char value[32];
-        snprintf(value, sizeof(value), "%zu", sym_bytes + slack);
-        setenv("NVSHMEM_SYMMETRIC_SIZE", value, 0);
-    }
-    /* epx uses no NVSHMEM collectives; NVLink SHARP would only cost memory. */
-    setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
-}
-
-typedef struct {
-    int32_t status;
-    int32_t need_init;
-    uint8_t uid[EPX_LL_UID_BYTES];
-} ll_vote_t;
-
-/* Allgather this rank's status; the first failing rank's becomes everyone's. */
-static epx_status_t vote(epx_group_t group, epx_status_t status, ll_vote_t *mine, ll_vote_t *all,
-                         const char *what)
-{
-    mine->status = (int32_t)status;
-    epx_status_t gathered = epx__bootstrap_allgather(group->bootstrap, mine, all, sizeof(*mine));
-    if (status != EPX_SUCCESS)
-        return status;
-    if (gathered != EPX_SUCCESS)
-        return gathered;
-    for (int r = 0; r < group->world_size; r++)
-        if (all[r].status != EPX_SUCCESS)
-            return EPX_ERROR(EPX_ERR_REMOTE, "buffer_create: rank %d failed %s (%s)", r, what,
-                             epx_status_string((epx_status_t)all[r].status));
+                         "buffer_create: the NVSHMEM plugin has no low-latency kernels of ABI %d "
+                         "(rebuild it with this epx)",
+                         EPX_LL_PLUGIN_ABI);
+    *plugin = table;
     return EPX_SUCCESS;
-}
-
-/* Load the plugin and initialise NVSHMEM for this group (collective). */
-static epx_status_t nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_status_t status)
-{
-    int rank = group->rank, world = group->world_size;
-    ll_vote_t mine, *all = calloc((size_t)world, sizeof(ll_vote_t));
-    if (all == NULL)
-        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
-    memset(&mine, 0, sizeof(mine));
-    pthread_mutex_lock(&nv_lock);
-    if (status == EPX_SUCCESS)
-        status = load_plugin();
-    if (status == EPX_SUCCESS && nv.finalized)
-        status = EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                           "buffer_create: NVSHMEM was finalised when the group that set it up "
-                           "was destroyed, and it cannot be set up twice in a process: keep "
-                           "that group while low-latency CUDA buffers are needed");
-    if (status == EPX_SUCCESS && nv.initialized && (nv.rank != rank || nv.world != world))
-        status = EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                           "buffer_create: NVSHMEM was set up in this process as rank %d of %d; "
-                           "low-latency buffers of one process must come from groups with the "
-                           "same rank and size (here rank %d of %d)",
-                           nv.rank, nv.world, rank, world);
-    if (status == EPX_SUCCESS && nv.plugin->uid_size() > EPX_LL_UID_BYTES)
-        status = EPX_ERROR(EPX_ERR_UNSUPPORTED, "buffer_create: NVSHMEM's unique id is too large");
-    mine.need_init = !nv.initialized;
-    if (status == EPX_SUCCESS && mine.need_init) {
-        nvshmem_defaults(sym_bytes);
-        if (rank == 0 && nv.plugin->get_uid(mine.uid) != 0)
-            status = EPX_ERROR(EPX_ERR_NVSHMEM, "buffer_create: nvshmemx_get_uniqueid failed");
-    }
-    status = vote(group, status, &mine, all, "to load NVSHMEM");
-    if (status == EPX_SUCCESS && all[0].need_init != mine.need_init)
-        status = EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                           "buffer_create: NVSHMEM is set up on some ranks of the group and not "
-                           "on others");
-    if (status == EPX_SUCCESS && mine.need_init) {
-        char message[256] = "";
-        int64_t start = epx__now_ns();
-        if (nv.plugin->init(all[0].uid, rank, world, message, sizeof(message)) != 0) {
-            status = EPX_ERROR(EPX_ERR_NVSHMEM, "buffer_create: %s", message);
-        } else {
-            nv.initialized = 1;
-            nv.owner = group;
-            nv.rank = rank;
-            nv.world = world;
-            int major, minor, patch;
-            nv.plugin->nvshmem_version(&major, &minor, &patch);
-            EPX_INFO(EPX_SUBSYS_TRANSPORT, "NVSHMEM %d.%d.%d up as PE %d of %d in %.0f ms (%s)",
-                     major, minor, patch, rank, world, (double)(epx__now_ns() - start) / 1e6,
-                     nv.path);
-        }
-    }
-    pthread_mutex_unlock(&nv_lock);
-    free(all);
-    return status;
 }
 
 epx_status_t epx__cuda_nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_status_t status,
                                      const epx_ll_plugin_t **plugin)
 {
-    status = nvshmem_setup(group, sym_bytes, status);
-    *plugin = status == EPX_SUCCESS ? nv.plugin : NULL;
-    if (status == EPX_SUCCESS) {
-        pthread_mutex_lock(&nv_lock);
-        nv.live_buffers++;
-        pthread_mutex_unlock(&nv_lock);
-    }
+    *plugin = NULL;
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    status = epx__nvshmem_setup(&ranks, group, sym_bytes, status);
+    if (status == EPX_SUCCESS)
+        status = find_kernels(plugin);
+    if (status == EPX_SUCCESS)
+        epx__nvshmem_user_begin();
     return status;
 }
 
 void epx__cuda_nvshmem_release(int healthy)
 {
-    pthread_mutex_lock(&nv_lock);
-    nv.live_buffers--;
-    nv.saw_failure = nv.saw_failure || !healthy;
-    pthread_mutex_unlock(&nv_lock);
+    epx__nvshmem_user_end(healthy);
 }
 
 /* Device memory, the peer table and the failure record; zeroes everything. */
@@ -370,7 +191,7 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     int direct = 0, unreachable = -1;
     int per_node = buffer->group->ranks_per_node > 0 ? buffer->group->ranks_per_node : R;
     for (int r = 0; r < R; r++) {
-        peers[r] = ll->plugin->peer_ptr(ll->sym, r);
+        peers[r] = epx__nvshmem_peer(ll->sym, r);
         /* Ranks of other nodes only through NVSHMEM puts, even where NVSHMEM could map
          * them (virtual nodes on one machine): the path a real network takes. */
         if ((force_puts && r != s->rank) || r / per_node != s->rank / per_node)
@@ -415,14 +236,16 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
     if (status == EPX_SUCCESS)
         status = epx__cuda_ll_plan(group, &buffer->config, &ll->shape, &ll->sym_bytes,
                                    &ll->local_bytes);
-    status = nvshmem_setup(group, ll != NULL ? ll->sym_bytes : 0, status);
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    status = epx__nvshmem_setup(&ranks, group, ll != NULL ? ll->sym_bytes : 0, status);
+    if (status == EPX_SUCCESS)
+        status = find_kernels(&ll->plugin);
     if (status != EPX_SUCCESS) {
         free(ll);
         return status;
     }
-    ll->plugin = nv.plugin;
     /* Collective on every PE of the process's NVSHMEM world (this group). */
-    ll->sym = ll->plugin->malloc_sym(ll->sym_bytes);
+    ll->sym = epx__nvshmem_malloc(ll->sym_bytes);
     if (ll->sym == NULL)
         status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY,
                            "buffer_create: nvshmem_malloc of %zu bytes failed: the symmetric heap "
@@ -436,9 +259,7 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
         epx__cuda_ll_destroy(ll, 0);
         return status;
     }
-    pthread_mutex_lock(&nv_lock);
-    nv.live_buffers++;
-    pthread_mutex_unlock(&nv_lock);
+    epx__nvshmem_user_begin();
     ll->counted = 1;
     *out = ll;
     return EPX_SUCCESS;
@@ -448,14 +269,10 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy)
 {
     if (ll == NULL)
         return;
-    if (ll->counted) {
-        pthread_mutex_lock(&nv_lock);
-        nv.live_buffers--;
-        nv.saw_failure = nv.saw_failure || !healthy;
-        pthread_mutex_unlock(&nv_lock);
-    }
+    if (ll->counted)
+        epx__nvshmem_user_end(healthy);
     if (ll->sym != NULL && healthy)
-        ll->plugin->free_sym(ll->sym);
+        epx__nvshmem_free(ll->sym);
     if (ll->local != NULL)
         (void)cudaFree(ll->local);
     if (ll->fail != NULL)
@@ -466,32 +283,6 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy)
 
 void epx__cuda_ll_group_destroy(epx_group_t group)
 {
-    pthread_mutex_lock(&nv_lock);
-    if (!nv.initialized || nv.finalized || nv.owner != group) {
-        pthread_mutex_unlock(&nv_lock);
-        return;
-    }
-    /* Everyone must be ready, or nobody calls the collective finalize. */
-    int32_t mine = nv.live_buffers == 0 && !nv.saw_failure;
-    int world = group->world_size, ready = mine;
-    int32_t *all = calloc((size_t)world, sizeof(int32_t));
-    if (all == NULL ||
-        epx__bootstrap_allgather(group->bootstrap, &mine, all, sizeof(mine)) != EPX_SUCCESS)
-        ready = 0;
-    for (int r = 0; ready && r < world; r++)
-        ready = all[r] != 0;
-    free(all);
-    if (ready) {
-        nv.plugin->finalize();
-        nv.finalized = 1;
-        EPX_INFO(EPX_SUBSYS_TRANSPORT, "NVSHMEM finalised (its group was destroyed)");
-    } else {
-        EPX_WARN(EPX_SUBSYS_TRANSPORT,
-                 "NVSHMEM stays set up until the process exits: %s",
-                 mine ? "another rank still has low-latency buffers or saw a failed peer"
-                      : (nv.live_buffers > 0 ? "low-latency buffers of this process are not destroyed"
-                                             : "a peer failed while a buffer was in use"));
-    }
-    nv.owner = NULL;
-    pthread_mutex_unlock(&nv_lock);
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    epx__nvshmem_owner_destroyed(group, &ranks);
 }

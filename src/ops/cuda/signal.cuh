@@ -143,11 +143,9 @@ static __device__ __noinline__ int epx_wait_flag_ctx(epx_fail_ctx_t c, const uin
     if (epx_ld_acquire_sys(flag) >= target)
         return 1;
     uint64_t start = epx_globaltimer();
-    for (uint32_t spin = 1;; spin++) {
-        if (epx_ld_acquire_sys(flag) >= target)
+    for (;;) {
+        if (epx_spin_until(flag, target, 32))
             return 1;
-        if ((spin & 31) != 0)
-            continue;
         if (epx_failed_ctx(c) || epx_check_abort(c, stage))
             return 0;
         if (epx_globaltimer() - start > static_cast<uint64_t>(c.timeout_ns)) {
@@ -161,29 +159,6 @@ __device__ __forceinline__ int epx_wait_flag(const epx__cuda_shape_t &s, const u
                                              uint64_t target, int stage, int peer)
 {
     return epx_wait_flag_ctx(epx_fail_ctx(s), flag, target, stage, peer);
-}
-
-/*
- * Called by every thread of every block at the end of its work: returns nonzero in
- * exactly one block, the last to arrive, once every block's writes (peer memory
- * included) are visible at system scope. Resets the counter for the next launch.
- * `flag` is a __shared__ int of the calling kernel (a function-scope __shared__ here
- * would make the host compiler emit C++ static-guard calls into a C program).
- */
-__device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
-{
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        uint32_t arrived = atomicAdd(counter, 1u);
-        *flag = arrived == gridDim.x - 1;
-        if (*flag) {
-            atomicExch(counter, 0u);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
-    return *flag;
 }
 
 /* The flag at `flag_offset` (offsetof(epx__cuda_slot_t, ...)) of a slot. */

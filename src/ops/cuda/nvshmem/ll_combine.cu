@@ -1,5 +1,5 @@
 /*
- * Low-latency combine kernels (docs/LOW_LATENCY.md; src/ops/ref/host_ll_combine.c is
+ * Low-latency combine kernels (docs/LOW_LATENCY.md; src/ops/host/host_ll_combine.c is
  * the oracle they match).
  *
  * Two ways, chosen per buffer:

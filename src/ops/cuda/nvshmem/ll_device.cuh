@@ -14,6 +14,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include "core/constants.h"
 #include "ops/cuda/device.cuh"
 #include "ops/cuda/ll_plugin.h"
 
@@ -85,11 +86,9 @@ static __device__ __noinline__ int epx_ll_wait(const uint64_t *flag, uint64_t ta
     if (*masked)
         return 0;
     uint64_t start = epx_globaltimer();
-    for (uint32_t spin = 1;; spin++) {
-        if (epx_ld_acquire_sys(flag) >= target)
+    for (;;) {
+        if (epx_spin_until(flag, target, 64))
             return 1;
-        if ((spin & 63) != 0)
-            continue;
         if (*masked)
             return 0;
         if (epx_globaltimer() - start > (uint64_t)timeout_ns) {
@@ -126,29 +125,15 @@ __device__ __forceinline__ void epx_ll_wait_peers(const epx_ll_shape_t &s, int k
 }
 
 /*
- * Every thread of every block calls this at the end of its work: nonzero in exactly
- * one block, the last to arrive, once every block's stores (peer memory included) are
- * visible at system scope. Puts of this block are completed first.
+ * The last-block barrier (epx_last_block in device.cuh), after this block's NVSHMEM puts
+ * are completed.
  */
 __device__ __forceinline__ int epx_ll_last_block(const epx_ll_shape_t &s, uint32_t *counter,
                                                  int *flag)
 {
     if (s.use_puts && (threadIdx.x & 31) == 0)
         nvshmem_quiet();
-    /* The barrier orders the block's stores before thread 0's fence, which is
-     * cumulative (the pattern of cooperative groups' grid sync). */
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        uint32_t arrived = atomicAdd(counter, 1u);
-        *flag = arrived == gridDim.x - 1;
-        if (*flag) {
-            atomicExch(counter, 0u);
-            __threadfence_system();
-        }
-    }
-    __syncthreads();
-    return *flag;
+    return epx_last_block(counter, flag);
 }
 
 __device__ __forceinline__ uint64_t epx_ll_seq(const epx_ll_shape_t &s, int slot, int which)
@@ -200,28 +185,13 @@ __device__ __forceinline__ int epx_ll_find(const int32_t *first, int n, int32_t 
 #define EPX_LL_COPY_DEPTH 8
 
 /*
- * 16-byte copy of `bytes` (a multiple of 16) by one warp: each lane loads up to
- * EPX_LL_COPY_DEPTH vectors before it stores them, so a row of a few KB costs one or
- * two memory round trips instead of one per vector.
+ * 16-byte copy of `bytes` (a multiple of 16) by one warp (epx_warp_copy16): each lane
+ * loads up to EPX_LL_COPY_DEPTH vectors before it stores them, so a row of a few KB
+ * costs one or two memory round trips instead of one per vector.
  */
 __device__ __forceinline__ void epx_ll_warp_copy(char *dst, const char *src, size_t bytes, int lane)
 {
-    const size_t n = bytes / 16;
-    for (size_t base = (size_t)lane; base < n; base += 32 * EPX_LL_COPY_DEPTH) {
-        int4 v[EPX_LL_COPY_DEPTH];
-#pragma unroll
-        for (int u = 0; u < EPX_LL_COPY_DEPTH; u++) {
-            const size_t i = base + (size_t)u * 32;
-            if (i < n)
-                v[u] = epx_ld_nc_v4(src + i * 16);
-        }
-#pragma unroll
-        for (int u = 0; u < EPX_LL_COPY_DEPTH; u++) {
-            const size_t i = base + (size_t)u * 32;
-            if (i < n)
-                epx_st_v4(dst + i * 16, v[u]);
-        }
-    }
+    epx_warp_copy16<EPX_LL_COPY_DEPTH>(dst, src, (int64_t)(bytes / EPX__VECTOR_BYTES), lane);
 }
 
 #endif /* EPX_OPS_CUDA_NVSHMEM_LL_DEVICE_CUH */

@@ -1,6 +1,6 @@
 /*
  * Low-latency dispatch kernels (docs/LOW_LATENCY.md; the host backend's
- * src/ops/ref/host_ll_dispatch.c is the oracle they match).
+ * src/ops/host/host_ll_dispatch.c is the oracle they match).
  *
  * Send (grid = SM budget, each block a contiguous range of tokens):
  *   1. give back this slot's previous results if the step had no combine (which would
@@ -59,14 +59,14 @@ __device__ __forceinline__ int4 epx_ll_cast16(const int4 lo, const int4 hi, int 
     float scale, multiplier;
     if (round_scale) {
         int exponent;
-        float fraction = frexpf(__fdiv_rn(amax, 448.0f), &exponent);
+        float fraction = frexpf(__fdiv_rn(amax, EPX__FP8_E4M3_MAX), &exponent);
         if (fraction == 0.5f)
             exponent -= 1;
         scale = ldexpf(1.0f, exponent);
         multiplier = ldexpf(1.0f, -exponent);
     } else {
-        scale = __fdiv_rn(amax, 448.0f);
-        multiplier = __fdiv_rn(448.0f, amax);
+        scale = __fdiv_rn(amax, EPX__FP8_E4M3_MAX);
+        multiplier = __fdiv_rn(EPX__FP8_E4M3_MAX, amax);
     }
     *scale_out = scale;
     /* Two channels per conversion (the first in the low byte): the same bits as one at
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     const int64_t S = s.scale_cols;
     /* A cell's row and scale row as this call stores them. */
     const size_t row_bytes = fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
-    const int64_t scale_words = ue8m0 ? s.hidden / 512 : S;
+    const int64_t scale_words = ue8m0 ? s.hidden / EPX__UE8M0_GROUP : S;
 
     if (blockIdx.x == 0)
         epx_ll_give_back(s, slot, seq - 1);
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
                 continue;
             const size_t byte = (size_t)channel * (fp8 ? 1 : 2);
             const int scale_writer = fp8 && (ue8m0 ? lane == 0 : (lane & 7) == 0);
-            const int64_t group = ue8m0 ? item % chunks : channel / 128;
+            const int64_t group = ue8m0 ? item % chunks : channel / EPX__FP8_BLOCK;
             if (s.use_puts) {
                 /* Staged for the puts below (and for every peer without a pointer). */
                 epx_st_v4(own + s.send_x + (size_t)t * row_bytes + byte, data);
@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
     p.topk = reinterpret_cast<int32_t *>(sym + s.recv_topk);
     p.src_rank = reinterpret_cast<int32_t *>(out + s.recv_src_rank);
     p.row_bytes = op.use_fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
-    p.scale_words = !op.use_fp8 ? 0 : (op.use_ue8m0 ? s.hidden / 512 : s.scale_cols);
+    p.scale_words = !op.use_fp8 ? 0 : (op.use_ue8m0 ? s.hidden / EPX__UE8M0_GROUP : s.scale_cols);
 
     const int warps = gridDim.x * EPX_LL_WARPS;
     for (int g = blockIdx.x * EPX_LL_WARPS + (threadIdx.x >> 5); g < spread_first[L]; g += warps) {

@@ -84,14 +84,8 @@ __device__ __forceinline__ void epx_xn_copy_row(const char *src, int src_align, 
                 v[u] = fresh_src ? __ldcg(reinterpret_cast<const int4 *>(src) + i)
                                  : epx_ld16(src + i * 16, src_align);
         }
-        for (int j = 0; j < n; j++) {
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                int64_t i = i0 + u * 32 + lane;
-                if (i < units)
-                    epx_st_v4(dst[j] + i * 16, v[u]);
-            }
-        }
+        for (int j = 0; j < n; j++)
+            epx_st16_batch<kUnroll>(dst[j], v, i0, units, lane);
     }
 }
 

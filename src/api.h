@@ -1,0 +1,18 @@
+/*
+ * What the API layer's files (the .c files directly in src/) share and nothing below
+ * them sees: the buffer bookkeeping of the entry points (src/epx.c).
+ */
+#ifndef EPX_API_H
+#define EPX_API_H
+
+#include "ops/backend.h"
+
+/*
+ * A buffer operation's bookkeeping, shared by the normal and low-latency entry points:
+ * refuse to run on a buffer that already failed (a device-side failure counts), and
+ * record this rank's failure inside a collective and tell the peers (returns `status`).
+ */
+epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op);
+epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
+
+#endif /* EPX_API_H */

@@ -1,0 +1,213 @@
+/*
+ * The backend interface: the one header between the API layer (the .c files directly
+ * in src/) and the backends (src/ops/host, src/ops/cuda).
+ *
+ * It holds the objects both sides read (buffers, handles; the group is ops/group.h),
+ * the table every backend fills (epx__backend_ops_t: entry points, optional hooks and
+ * capability flags, so the API layer asks what a backend can do instead of which
+ * backend it is), and the few services a backend may call, defined beside it in
+ * src/ops/backend.c. Entry points validate arguments, then call the backend through the
+ * table; backends may rely on arguments being checked. Nothing here calls up into the
+ * API layer.
+ */
+#ifndef EPX_OPS_BACKEND_H
+#define EPX_OPS_BACKEND_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include "core/core.h"
+#include "core/constants.h"
+#include "core/tensor.h"
+#include "epx.h"
+#include "ops/group.h"
+
+typedef struct epx__backend_ops epx__backend_ops_t;
+
+/*
+ * Low-latency steps (src/epx_ll.c keeps this; backends see only slot numbers). A slot
+ * is free, has a sent operation waiting for its receive, or holds a received dispatch
+ * (possibly combined) whose views and handle stay valid until the slot is reused.
+ */
+typedef enum {
+    EPX__LL_FREE = 0,
+    EPX__LL_DISPATCH_SENT = 1,
+    EPX__LL_DISPATCHED = 2,
+    EPX__LL_COMBINE_SENT = 3,
+    EPX__LL_COMBINED = 4,
+} epx__ll_slot_state_t;
+
+typedef struct {
+    epx__ll_slot_state_t state;
+    uint64_t generation; /* dispatches made into this slot (handles carry it) */
+    int64_t num_tokens;  /* the dispatch's input tokens (combine checks its shapes) */
+} epx__ll_slot_t;
+
+typedef struct {
+    epx__ll_slot_t slots[2];
+    int next_slot;       /* slot of the next dispatch */
+    uint64_t tag;        /* identifies this buffer in its handles */
+} epx__ll_state_t;
+
+struct epx_buffer {
+    epx_group_t group;
+    epx_buffer_config_t config; /* num_sms resolved, never 0 */
+    int num_local_experts;      /* num_experts / world_size */
+    const epx__backend_ops_t *ops;
+    void *impl; /* backend state */
+    /* First failure of a collective operation; later calls return it. */
+    _Atomic int async_error;
+    char async_message[512];
+    epx__ll_state_t ll; /* low-latency mode (config.max_low_latency_tokens > 0) */
+    /* A low-latency peer failure seen asynchronously (GPU): the peer is masked and the
+     * buffer stays usable; epx_get_async_error reports it when nothing worse happened. */
+    _Atomic int ll_peer_error;
+    char ll_peer_message[512];
+};
+
+/*
+ * The routing of one dispatch, on host memory (every backend keeps this copy; a GPU
+ * backend adds its device copies in backend_state).
+ */
+struct epx_handle {
+    epx_buffer_t buffer;    /* handles only work with the buffer that made them */
+    int world_size;
+    int rank;
+    int num_local_experts;
+    int expert_alignment;
+    int64_t num_tokens;       /* tokens this rank sent (dispatch input rows) */
+    int64_t num_recv_tokens;  /* rows this rank received */
+    /* [num_tokens * world_size]: row of token t at rank r, or -1 if t was not sent to r. */
+    int32_t *send_row;
+    /* [world_size * world_size]: tokens rank s sent to rank r at [s * world_size + r]. */
+    int32_t *rank_counts;
+    /* [num_recv_tokens]: source rank and source token index of each received row. */
+    int32_t *recv_src_rank;
+    int32_t *recv_src_token;
+    /* [num_local_experts]: rows per local expert, rounded up to expert_alignment. */
+    int32_t *num_recv_per_expert;
+    void *backend_state;
+    void (*backend_free)(struct epx_handle *handle);
+};
+
+struct epx__backend_ops {
+    const char *name;
+    unsigned caps; /* EPX__BACKEND_* */
+
+    /* ---- groups (optional) */
+    /* Devices this backend can use (EPX_BACKEND_AUTO picks the backend that has some). */
+    int (*device_count)(void);
+    /* The group is being destroyed, after its buffers (collective where the backend set
+     * up something process-wide through this group, such as NVSHMEM). */
+    void (*group_destroy)(epx_group_t group);
+
+    /* ---- buffers */
+    /* Bytes one rank allocates for this config. */
+    epx_status_t (*buffer_size)(epx_group_t group, const epx_buffer_config_t *config,
+                                size_t *bytes);
+    /* Collective: fill buffer->impl. The generic fields of `buffer` are set. */
+    epx_status_t (*buffer_create)(epx_buffer_t buffer);
+    /*
+     * Optional (NULL = always ready): before epx_buffer_destroy's vote, finish this rank's
+     * queued work, record any failure the backend saw (buffer->async_error), and say
+     * whether this rank may take part in freeing memory allocated collectively (0 when a
+     * peer is masked or lost).
+     */
+    int (*destroy_ready)(epx_buffer_t buffer);
+    /* Free the buffer's state. `all_ready`: every rank voted ready (collective frees are
+     * safe); 0 when the vote failed, was skipped, or some rank was not ready. */
+    void (*buffer_destroy)(epx_buffer_t buffer, int all_ready);
+    /*
+     * Tell the peers that this rank failed inside a collective operation (so their
+     * waits end with EPX_ERR_REMOTE naming this rank instead of a timeout).
+     */
+    void (*abort)(epx_buffer_t buffer, epx_status_t status, const char *message);
+    epx_status_t (*layout)(epx_buffer_t buffer, const epx_layout_args_t *args, void *stream);
+    epx_status_t (*dispatch)(epx_buffer_t buffer, const epx_dispatch_args_t *args,
+                             epx_dispatch_result_t *result, void *stream);
+    epx_status_t (*combine)(epx_buffer_t buffer, const epx_combine_args_t *args,
+                            void *stream);
+    /*
+     * The combine-input region of this rank (see epx_get_combine_input): its base, with
+     * room for `*rows` bf16 rows of `hidden` (max_tokens_per_rank * world_size). Combine
+     * must read an x that starts at this base in place.
+     */
+    epx_status_t (*combine_input)(epx_buffer_t buffer, void **base, int64_t *rows);
+    /*
+     * Optional (NULL = nothing to poll): record in buffer->async_error a failure the
+     * backend learned asynchronously, such as a device-side timeout inside a kernel
+     * replayed from a CUDA graph. epx_get_async_error calls it before answering.
+     */
+    void (*poll_async_error)(epx_buffer_t buffer);
+
+    /*
+     * Low-latency mode (include/epx.h, docs/LOW_LATENCY.md). Optional: NULL makes the
+     * epx_ll_* calls return EPX_ERR_UNSUPPORTED. src/epx_ll.c validates the arguments
+     * and keeps the slot states; the backend moves the data of slot `slot`.
+     * ll_dispatch issues the sends and fills `result`'s views (not the handle);
+     * ll_dispatch_receive waits for the data and writes them. ll_combine issues the
+     * sends and keeps what its receive needs; ll_combine_receive writes args->out and
+     * the masked count. A wait that fails on a peer returns EPX_ERR_TIMEOUT or
+     * EPX_ERR_REMOTE and masks the peer; the backend must then still be ready for the
+     * next call (the entry point abandons the step).
+     */
+    epx_status_t (*ll_dispatch)(epx_buffer_t buffer, int slot, const epx_ll_dispatch_args_t *args,
+                                epx_ll_dispatch_result_t *result, void *stream);
+    epx_status_t (*ll_dispatch_receive)(epx_buffer_t buffer, int slot, void *stream);
+    epx_status_t (*ll_combine)(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
+                               void *stream);
+    epx_status_t (*ll_combine_receive)(epx_buffer_t buffer, int slot,
+                                       epx_ll_combine_result_t *result, void *stream);
+    /* The zero-copy combine input of `slot`: bf16 [L, M * R, hidden], contiguous. */
+    epx_status_t (*ll_combine_buffer)(epx_buffer_t buffer, int slot, void **base);
+    /* Mask `rank` (already checked: a peer, in range); read the mask ([world] 0/1). */
+    epx_status_t (*ll_mask_rank)(epx_buffer_t buffer, int rank);
+    void (*ll_get_masked)(epx_buffer_t buffer, int32_t *mask);
+    /* Optional: EPX_ERR_UNSUPPORTED when this buffer has no normal mode (a CUDA buffer
+     * across nodes); checked before anything is sent, so it poisons nothing. */
+    epx_status_t (*normal_available)(epx_buffer_t buffer, const char *op);
+    /* Bytes that the rows of the low-latency x (dispatch), x and out (combine) must start
+     * on (0 = any): checked with the other arguments, before anything is sent. */
+    int ll_row_align;
+};
+
+/* The tables (src/ops/host, src/ops/cuda). */
+extern const epx__backend_ops_t epx__host_backend;
+#ifdef EPX_WITH_CUDA
+extern const epx__backend_ops_t epx__cuda_backend;
+#endif
+
+/* The table of `backend`; NULL when this build has none (or for EPX_BACKEND_AUTO). */
+const epx__backend_ops_t *epx__backend_find(epx_backend_t backend);
+
+/* ---------------------------------------------------------------- capabilities */
+
+/*
+ * The backend's tensors are in host memory, so the API layer checks values the caller
+ * passed (expert ids in topk_idx) before the call. A backend without it checks them
+ * itself where the data lies (the CUDA kernels record a bad id as a device failure).
+ */
+#define EPX__BACKEND_HOST_TENSORS 0x1u
+
+
+/* ---------------------------------------------------------------- services (src/ops/backend.c) */
+
+/* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
+void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
+
+/* Allocate a handle with its arrays sized (contents zeroed); NULL on out of memory. */
+struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
+                                     int64_t num_recv_tokens);
+void epx__handle_free(struct epx_handle *handle);
+
+/*
+ * A low-latency dispatch's result views, laid out alike by every backend (M * R rows per
+ * local expert): recv_x [L, M*R, hidden] bf16 or fp8, scales (fp8 only: fp32
+ * [L, M*R, hidden/128], or UE8M0 int32 [L, M*R, hidden/512]), recv_count [L] int32,
+ * src_info [L, M*R] int32, layout ranges [L, R] int64. Sets the tensors only.
+ */
+void epx__ll_dispatch_views(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args, void *recv_x,
+                            void *recv_scales, void *recv_count, void *src_info, void *range,
+                            epx_ll_dispatch_result_t *result);
+
+#endif /* EPX_OPS_BACKEND_H */

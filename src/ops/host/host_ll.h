@@ -1,0 +1,123 @@
+/*
+ * Low-latency mode on the host backend (docs/LOW_LATENCY.md). Internal to src/ops/host.
+ *
+ * A second shared-memory segment per rank, made only when max_low_latency_tokens > 0
+ * (M; R ranks, L local experts, k top-k, S = hidden / 128 scale columns):
+ *   flags   uint64 [4 kinds][2 slots][R]: dispatch arrival (raised by the source),
+ *           dispatch release (raised by the receiver in the sender's segment when it has
+ *           read the slot), and the same two for combine. Values are per-slot sequence
+ *           numbers, so nothing is ever cleared.
+ *   slot b  staging that peers write into, [L][R][M] per (expert, source): x rows
+ *           (bf16-sized, or fp8-sized when config.low_latency_dtype is FP8_E4M3),
+ *           scales, source token, top-k position, and counts [L][R]; the packed results
+ *           (recv_x [L][M*R], scales, counts, src_info, layout ranges, and the internal
+ *           source rank / top-k position of each row); the zero-copy combine input
+ *           [L][M*R][hidden] bf16; the combine staging [M][k][hidden] bf16 that the
+ *           experts' ranks write a token's rows into.
+ * A sender writes rows straight into the receiver's staging, then raises the flag;
+ * the receive waits for the flags of the unmasked peers and packs the rows in order of
+ * source rank, then source token. Before reusing a slot a sender waits for the
+ * receiver's release of that slot's previous use.
+ */
+#ifndef EPX_OPS_HOST_HOST_LL_H
+#define EPX_OPS_HOST_HOST_LL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ops/backend.h"
+#include "transport/shm/shm.h"
+
+enum {
+    EPX__LL_FLAG_DISPATCH = 0,
+    EPX__LL_FLAG_DISPATCH_DONE = 1,
+    EPX__LL_FLAG_COMBINE = 2,
+    EPX__LL_FLAG_COMBINE_DONE = 3
+};
+
+typedef struct {
+    int64_t max_tokens; /* M */
+    int64_t rows;       /* M * R */
+    int64_t scale_cols; /* hidden / 128, or 0 */
+    size_t x_row_bytes; /* a staged or received dispatch row: hidden * 2 (bf16), or hidden
+                         * when config.low_latency_dtype is FP8_E4M3 */
+    size_t flags;
+    size_t slot[2];
+    /* Offsets inside a slot. */
+    size_t stage_count, stage_x, stage_scales, stage_token, stage_topk;
+    size_t recv_x, recv_scales, recv_count, recv_src_info, recv_range, recv_src_rank, recv_topk;
+    size_t combine_in, combine_stage;
+    size_t total;
+} epx__host_ll_layout_t;
+
+/* What a step in a slot remembers between its calls (this rank only). */
+typedef struct {
+    uint64_t dispatch_seq;
+    uint64_t combine_seq;
+    int64_t num_tokens;
+    int use_fp8, use_ue8m0;
+    int64_t masked_entries;
+    uint8_t *peers;  /* [R] ranks this operation exchanges with (unmasked at its send) */
+    uint8_t *failed; /* [R] scratch of the waits */
+    epx_tensor_t topk_idx, topk_weights, out; /* combine's, for its receive */
+} epx__host_ll_slot_t;
+
+typedef struct epx__host_ll {
+    epx__shm_t *shm;
+    epx__host_ll_layout_t layout;
+    uint8_t *mask;           /* [R] 1 = masked */
+    epx__host_ll_slot_t slots[2];
+    int32_t *send_counts;    /* [E] dispatch scratch */
+    uint8_t *cast_row;       /* [hidden] fp8 scratch */
+    float *cast_scales;      /* [S] */
+    float *accumulator;      /* [hidden] */
+    uint64_t **wait_flags;   /* [R] */
+} epx__host_ll_t;
+
+epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *config,
+                                 epx__host_ll_layout_t *layout);
+/* Collective (when max_low_latency_tokens > 0); NULL-safe destroy. */
+epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **ll);
+void epx__host_ll_destroy(epx__host_ll_t *ll);
+
+static inline char *epx__host_ll_slot(const epx__host_ll_t *ll, int rank, int slot)
+{
+    return (char *)epx__shm_peer(ll->shm, rank) + ll->layout.slot[slot];
+}
+
+static inline uint64_t *epx__host_ll_flag(const epx__host_ll_t *ll, int owner, int kind, int slot,
+                                          int peer)
+{
+    int world = ll->layout.max_tokens > 0 ? (int)(ll->layout.rows / ll->layout.max_tokens) : 1;
+    return (uint64_t *)((char *)epx__shm_peer(ll->shm, owner) + ll->layout.flags) +
+           ((size_t)(kind * 2 + slot) * (size_t)world + (size_t)peer);
+}
+
+/*
+ * Wait for flag `kind` of `slot` in this rank's segment from every rank in `peers` to
+ * reach `target`; ranks that fail are masked and dropped from `peers`.
+ */
+epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                               uint8_t *peers, uint64_t target, const char *stage,
+                               epx__host_ll_slot_t *s);
+
+/*
+ * One token row to fp8 e4m3 with a scale per 128 channels (include/epx.h): `row`
+ * [hidden] bf16 bits; `out` [hidden] e4m3 bytes; `scales` [hidden/128] fp32 scales.
+ */
+void epx__host_ll_cast_fp8(const uint16_t *row, int64_t hidden, int round_scale, uint8_t *out,
+                           float *scales);
+
+epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
+                                   const epx_ll_dispatch_args_t *args,
+                                   epx_ll_dispatch_result_t *result, void *stream);
+epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *stream);
+epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_combine_args_t *args,
+                                  void *stream);
+epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
+                                          epx_ll_combine_result_t *result, void *stream);
+epx_status_t epx__host_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base);
+epx_status_t epx__host_ll_mask_rank(epx_buffer_t buffer, int rank);
+void epx__host_ll_get_masked(epx_buffer_t buffer, int32_t *mask);
+
+#endif /* EPX_OPS_HOST_HOST_LL_H */

@@ -1,0 +1,77 @@
+/*
+ * Host shared memory among the ranks of a group (the CPU backend's transport).
+ *
+ * Every rank owns one POSIX shared-memory segment and maps every peer's, so a rank can
+ * write straight into a peer's memory. Each segment starts with a control header (the
+ * owner's pid, an abort word, an arrival counter) followed by a 4 KiB aligned data
+ * area. The segments are unlinked as soon as every rank has mapped them, so nothing
+ * is left in /dev/shm even if a rank is killed later.
+ *
+ * Synchronisation is a counting barrier on the headers. Waits never hang: they end
+ * with EPX_ERR_REMOTE when a peer published a failure or exited, and with
+ * EPX_ERR_TIMEOUT after the group's timeout, naming the ranks and the stage.
+ */
+#ifndef EPX_TRANSPORT_SHM_H
+#define EPX_TRANSPORT_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "core/core.h"
+#include "transport/transport.h"
+
+typedef struct epx__shm epx__shm_t;
+
+/*
+ * Collective over the ranks' bootstrap: create this rank's segment with a data area of
+ * `bytes_per_rank` bytes (zeroed), map every peer's. On failure every rank returns an
+ * error and nothing stays mapped or linked.
+ */
+epx_status_t epx__shm_create(const epx__transport_ranks_t *ranks, size_t bytes_per_rank,
+                             epx__shm_t **shm);
+
+/*
+ * Wait until every rank has reached the same barrier. Memory written before the barrier
+ * by any rank is visible to every rank after it. `stage` names the wait in errors, e.g.
+ * "dispatch (waiting for data)".
+ */
+epx_status_t epx__shm_barrier(epx__shm_t *shm, const char *stage);
+
+/*
+ * Publish this rank's failure so that peers waiting in a barrier stop with
+ * EPX_ERR_REMOTE (EPX_ERR_TIMEOUT when `status` is a timeout) and this message. The
+ * first call wins. A failure that this rank only learned from a peer is published
+ * under that peer's rank, so every rank names the one that failed first.
+ */
+void epx__shm_abort(epx__shm_t *shm, epx_status_t status, const char *message);
+
+/* Base of the data area of `rank`'s segment (4 KiB aligned), or NULL if out of range. */
+void *epx__shm_peer(epx__shm_t *shm, int rank);
+
+/* Bytes of one rank's data area (the size given to epx__shm_create). */
+size_t epx__shm_data_bytes(const epx__shm_t *shm);
+
+/* Bytes one rank's segment takes for a data area of `data_bytes` (header included). */
+size_t epx__shm_segment_bytes(size_t data_bytes);
+
+/*
+ * Sequence flags (src/transport/shm/shm_flag.c), for waits between some ranks only: a writer
+ * stores a flag (release) after the data it guards; a reader loads it (acquire).
+ */
+uint64_t epx__shm_flag_load(const uint64_t *flag);
+void epx__shm_flag_store(uint64_t *flag, uint64_t value);
+
+/*
+ * Wait until *flags[r] >= target for every rank r with flags[r] != NULL and failed[r]
+ * == 0. A rank that published a failure, exited or did not answer within the group's
+ * timeout gets failed[r] = 1 and is no longer waited for; the others still are. Returns
+ * EPX_SUCCESS, or the first such failure (EPX_ERR_REMOTE / EPX_ERR_TIMEOUT) with a
+ * message naming `stage` and the rank, once every other flag has arrived.
+ */
+epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
+                                 uint64_t target, uint8_t *failed);
+
+/* Unmap everything (segments were already unlinked by create). NULL is a no-op. */
+void epx__shm_destroy(epx__shm_t *shm);
+
+#endif /* EPX_TRANSPORT_SHM_H */

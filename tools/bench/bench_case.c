@@ -1,0 +1,524 @@
+/*
+ * One `epx bench` case (one dispatch dtype): make the inputs from the seed, run
+ * layout, dispatch, cached dispatch and combine both ways once and check them against
+ * the oracle, then time the five ops together, iteration after iteration.
+ *
+ * Combine is timed twice. "combine" takes its x from the buffer's combine-input view
+ * (epx_get_combine_input), where a caller computes its expert outputs: the fast path,
+ * peers read the rows in place. The rows are written there once, before timing: no
+ * operation writes the region (the host backend's copy path stages the same rows
+ * there, the same values), so they stay valid across iterations. "combine_copy" takes
+ * x from a separate tensor, which the backend first copies into the buffer.
+ *
+ * Every rank runs the same sequence of collective calls whatever its check found, so a
+ * wrong result on one rank is reported, never turned into a hang on the others.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "moe_case.h"
+
+typedef struct {
+    epx_group_t group;
+    const epx__bench_options_t *options;
+    epx__bench_device_t *device;
+    int rank;
+    int world_size;
+    moe_case_t moe;
+    epx_buffer_t buffer;
+    moe_inputs_t inputs;
+    int64_t scale_cols;
+    int64_t num_recv; /* rows this rank receives (the same every iteration) */
+    char label[64];   /* "rank 1 bf16", for messages */
+    /* Backend memory. */
+    void *x;
+    void *x_scales;
+    void *topk_idx;
+    void *topk_weights;
+    void *per_rank;
+    void *per_expert;
+    void *in_rank;
+    void *combine_x; /* combine_copy's x (combine's is the buffer's combine-input view) */
+    void *out_x;
+} bench_case_t;
+
+/* What every rank tells the others after the checked run. */
+typedef struct {
+    int64_t num_recv;
+    int32_t check[EPX__BENCH_OP_COUNT];
+} rank_summary_t;
+
+static size_t element_size(const bench_case_t *bc)
+{
+    return epx_dtype_size(bc->moe.dtype);
+}
+
+static int is_fp8(const bench_case_t *bc)
+{
+    return bc->moe.dtype == EPX_DTYPE_FP8_E4M3;
+}
+
+/* ---------------------------------------------------------------- ops */
+
+static void run_layout(bench_case_t *bc)
+{
+    epx_layout_args_t args = EPX_LAYOUT_ARGS_INIT;
+    args.topk_idx = epx_tensor_2d(bc->topk_idx, EPX_DTYPE_INT64, bc->moe.num_tokens, bc->moe.num_topk);
+    args.num_tokens_per_rank = epx_tensor_1d(bc->per_rank, EPX_DTYPE_INT32, bc->world_size);
+    args.num_tokens_per_expert = epx_tensor_1d(bc->per_expert, EPX_DTYPE_INT32, bc->moe.num_experts);
+    args.is_token_in_rank =
+        epx_tensor_2d(bc->in_rank, EPX_DTYPE_BOOL, bc->moe.num_tokens, bc->world_size);
+    epx__bench_must(bc->rank, epx_get_dispatch_layout(bc->buffer, &args, bc->device->stream),
+                    "epx_get_dispatch_layout");
+}
+
+/* Fresh dispatch when `cached` is NULL, else cached mode with that handle. */
+static void run_dispatch(bench_case_t *bc, epx_handle_t cached, epx_dispatch_result_t *result)
+{
+    epx_dispatch_args_t args = EPX_DISPATCH_ARGS_INIT;
+    args.x = epx_tensor_2d(bc->x, bc->moe.dtype, bc->moe.num_tokens, bc->moe.hidden);
+    if (is_fp8(bc))
+        args.x_scales = epx_tensor_2d(bc->x_scales, EPX_DTYPE_FP32, bc->moe.num_tokens, bc->scale_cols);
+    if (cached == NULL) {
+        args.topk_idx =
+            epx_tensor_2d(bc->topk_idx, EPX_DTYPE_INT64, bc->moe.num_tokens, bc->moe.num_topk);
+        args.topk_weights =
+            epx_tensor_2d(bc->topk_weights, EPX_DTYPE_FP32, bc->moe.num_tokens, bc->moe.num_topk);
+        args.expert_alignment = bc->moe.expert_alignment;
+    } else {
+        args.handle = cached;
+    }
+    epx_dispatch_result_t fresh = EPX_DISPATCH_RESULT_INIT;
+    *result = fresh;
+    epx__bench_must(bc->rank, epx_dispatch(bc->buffer, &args, result, bc->device->stream),
+                    cached == NULL ? "epx_dispatch" : "epx_dispatch (cached)");
+}
+
+/* The combine-input view for `handle` (the same memory for every handle of the buffer). */
+static epx_tensor_t combine_view(bench_case_t *bc, epx_handle_t handle)
+{
+    epx_tensor_t view = EPX_TENSOR_NONE;
+    epx__bench_must(bc->rank, epx_get_combine_input(bc->buffer, handle, &view),
+                    "epx_get_combine_input");
+    return view;
+}
+
+/* x from the combine-input view (`op` EPX__BENCH_OP_COMBINE) or a separate tensor. */
+static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t op)
+{
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    if (op == EPX__BENCH_OP_COMBINE)
+        args.x = combine_view(bc, handle);
+    else
+        args.x = epx_tensor_2d(bc->combine_x, EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
+    args.out_x = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
+    epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream),
+                    op == EPX__BENCH_OP_COMBINE ? "epx_combine (input view)"
+                                                : "epx_combine (separate x)");
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static void *alloc_copy(bench_case_t *bc, const void *host, size_t bytes)
+{
+    void *data = NULL;
+    epx__bench_must(bc->rank, epx__bench_alloc(bc->device, bytes, &data), "bench allocation");
+    if (host != NULL)
+        epx__bench_must(bc->rank, epx__bench_copy_in(bc->device, data, host, bytes), "bench copy");
+    return data;
+}
+
+static void setup(bench_case_t *bc)
+{
+    const moe_case_t *c = &bc->moe;
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = c->num_tokens;
+    config.hidden = c->hidden;
+    config.num_experts = c->num_experts;
+    config.num_topk = c->num_topk;
+    config.dispatch_dtype = c->dtype;
+    config.num_sms = bc->options->sms;
+    epx__bench_must(bc->rank, epx_buffer_create(bc->group, &config, &bc->buffer),
+                    "epx_buffer_create");
+
+    if (moe_inputs_make(c, bc->rank, &bc->inputs) != 0) {
+        fprintf(stderr, "epx bench: rank %d: out of memory making the inputs\n", bc->rank);
+        exit(1);
+    }
+    size_t tokens = (size_t)c->num_tokens;
+    size_t topk = (size_t)c->num_topk;
+    bc->x = alloc_copy(bc, bc->inputs.x, tokens * (size_t)c->hidden * element_size(bc));
+    if (is_fp8(bc))
+        bc->x_scales = alloc_copy(bc, bc->inputs.x_scales, tokens * (size_t)bc->scale_cols * 4);
+    bc->topk_idx = alloc_copy(bc, bc->inputs.topk_idx, tokens * topk * 8);
+    bc->topk_weights = alloc_copy(bc, bc->inputs.topk_weights, tokens * topk * 4);
+    bc->per_rank = alloc_copy(bc, NULL, (size_t)bc->world_size * 4);
+    bc->per_expert = alloc_copy(bc, NULL, (size_t)c->num_experts * 4);
+    bc->in_rank = alloc_copy(bc, NULL, tokens * (size_t)bc->world_size);
+    bc->out_x = alloc_copy(bc, NULL, tokens * (size_t)c->hidden * 2);
+}
+
+/*
+ * Combine input: the row each received token carries back, in a separate tensor and in
+ * the combine-input view of `handle`. With the oracle's source arrays (the checked
+ * run) it is what moe_oracle_combine expects; without them any values time the same.
+ */
+static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
+                               epx_handle_t handle)
+{
+    size_t row_bytes = (size_t)bc->moe.hidden * 2;
+    uint16_t *rows = malloc((size_t)(bc->num_recv > 0 ? bc->num_recv : 1) * row_bytes);
+    if (rows == NULL) {
+        fprintf(stderr, "epx bench: rank %d: out of memory for the combine input\n", bc->rank);
+        exit(1);
+    }
+    int use_oracle = expected != NULL && expected->num_recv == bc->num_recv;
+    for (int64_t i = 0; i < bc->num_recv; i++) {
+        int src_rank = use_oracle ? expected->recv_src_rank[i] : 0;
+        int64_t src_token = use_oracle ? expected->recv_src_token[i] : i;
+        moe_combine_row(&bc->moe, bc->rank, src_rank, src_token, rows + i * bc->moe.hidden);
+    }
+    bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
+    epx_tensor_t view = combine_view(bc, handle);
+    if (view.shape[0] < bc->num_recv) {
+        fprintf(stderr, "epx bench: %s: the combine-input view has %lld rows, %lld received\n",
+                bc->label, (long long)view.shape[0], (long long)bc->num_recv);
+        exit(1);
+    }
+    epx__bench_must(bc->rank,
+                    epx__bench_copy_in(bc->device, view.data, rows,
+                                       (size_t)bc->num_recv * row_bytes),
+                    "bench copy into the combine-input view");
+    free(rows);
+}
+
+static void teardown(bench_case_t *bc)
+{
+    void *memory[] = {bc->x, bc->x_scales, bc->topk_idx, bc->topk_weights, bc->per_rank,
+                      bc->per_expert, bc->in_rank, bc->combine_x, bc->out_x};
+    for (size_t i = 0; i < sizeof(memory) / sizeof(memory[0]); i++)
+        epx__bench_free(bc->device, memory[i]);
+    moe_inputs_free(&bc->inputs);
+    epx__bench_must(bc->rank, epx_buffer_destroy(bc->buffer), "epx_buffer_destroy");
+}
+
+/* ---------------------------------------------------------------- checks */
+
+/* Copy `rows` rows of a result tensor (maybe strided, maybe device memory) to the host. */
+static void *copy_out(bench_case_t *bc, const epx_tensor_t *tensor, int64_t rows, int64_t cols)
+{
+    size_t element = epx_dtype_size(tensor->dtype);
+    size_t row_bytes = (size_t)cols * element;
+    void *host = malloc(rows > 0 ? (size_t)rows * row_bytes : 1);
+    if (host == NULL) {
+        fprintf(stderr, "epx bench: rank %d: out of memory copying results\n", bc->rank);
+        exit(1);
+    }
+    int64_t stride = tensor->ndim == 2 && tensor->strides[0] != 0 ? tensor->strides[0] : cols;
+    epx__bench_must(bc->rank,
+                    epx__bench_copy_rows_out(bc->device, host, tensor->data, rows, row_bytes,
+                                             (size_t)stride * element),
+                    "bench copy of results");
+    return host;
+}
+
+static int check_tensor(bench_case_t *bc, const char *what, const epx_tensor_t *tensor,
+                        epx_dtype_t dtype, const void *expected, int64_t rows, int64_t cols)
+{
+    if (rows == 0)
+        return 1;
+    if (tensor->data == NULL || tensor->dtype != dtype) {
+        fprintf(stderr, "epx bench: %s: %s missing from the result or of dtype %s\n", bc->label,
+                what, epx_dtype_name(tensor->dtype));
+        return 0;
+    }
+    void *got = copy_out(bc, tensor, rows, cols);
+    int ok = epx__bench_compare(bc->label, what, dtype, got, expected, rows, cols);
+    free(got);
+    return ok;
+}
+
+static int check_layout(bench_case_t *bc, const moe_expected_t *expected)
+{
+    const moe_case_t *c = &bc->moe;
+    epx_tensor_t per_rank = epx_tensor_1d(bc->per_rank, EPX_DTYPE_INT32, bc->world_size);
+    epx_tensor_t per_expert = epx_tensor_1d(bc->per_expert, EPX_DTYPE_INT32, c->num_experts);
+    epx_tensor_t in_rank = epx_tensor_2d(bc->in_rank, EPX_DTYPE_BOOL, c->num_tokens, bc->world_size);
+    int ok = check_tensor(bc, "layout num_tokens_per_rank", &per_rank, EPX_DTYPE_INT32,
+                          expected->num_tokens_per_rank, 1, bc->world_size);
+    ok &= check_tensor(bc, "layout num_tokens_per_expert", &per_expert, EPX_DTYPE_INT32,
+                       expected->num_tokens_per_expert, 1, c->num_experts);
+    ok &= check_tensor(bc, "layout is_token_in_rank", &in_rank, EPX_DTYPE_BOOL,
+                       expected->is_token_in_rank, c->num_tokens, bc->world_size);
+    return ok;
+}
+
+/* recv_x (and scales) of a fresh or cached dispatch; topk outputs of a fresh one. */
+static int check_dispatch(bench_case_t *bc, const moe_expected_t *expected,
+                          const epx_dispatch_result_t *result, int cached)
+{
+    const moe_case_t *c = &bc->moe;
+    const char *op = cached ? "cached dispatch" : "dispatch";
+    char what[96];
+    if (result->num_recv_tokens != expected->num_recv) {
+        fprintf(stderr, "epx bench: %s: %s received %lld tokens, expected %lld\n", bc->label, op,
+                (long long)result->num_recv_tokens, (long long)expected->num_recv);
+        return 0;
+    }
+    int64_t rows = expected->num_recv;
+    snprintf(what, sizeof(what), "%s recv_x", op);
+    int ok = check_tensor(bc, what, &result->recv_x, c->dtype, expected->recv_x, rows, c->hidden);
+    if (is_fp8(bc)) {
+        snprintf(what, sizeof(what), "%s recv_x_scales", op);
+        ok &= check_tensor(bc, what, &result->recv_x_scales, EPX_DTYPE_FP32,
+                           expected->recv_x_scales, rows, bc->scale_cols);
+    }
+    if (!cached) {
+        ok &= check_tensor(bc, "dispatch recv_topk_idx", &result->recv_topk_idx, EPX_DTYPE_INT64,
+                           expected->recv_topk_idx, rows, c->num_topk);
+        ok &= check_tensor(bc, "dispatch recv_topk_weights", &result->recv_topk_weights,
+                           EPX_DTYPE_FP32, expected->recv_topk_weights, rows, c->num_topk);
+    }
+    if (result->num_local_experts != expected->num_local_experts ||
+        result->num_recv_tokens_per_expert == NULL) {
+        fprintf(stderr, "epx bench: %s: %s gave %d per-expert counts, expected %d\n", bc->label,
+                op, result->num_recv_tokens_per_expert != NULL ? result->num_local_experts : 0,
+                expected->num_local_experts);
+        return 0;
+    }
+    snprintf(what, sizeof(what), "%s num_recv_tokens_per_expert", op);
+    ok &= epx__bench_compare(bc->label, what, EPX_DTYPE_INT32, result->num_recv_tokens_per_expert,
+                             expected->num_recv_per_expert, 1, expected->num_local_experts);
+    return ok;
+}
+
+static int check_combine(bench_case_t *bc, const char *what)
+{
+    uint16_t *expected = NULL;
+    if (moe_oracle_combine(&bc->moe, bc->rank, &expected) != 0) {
+        fprintf(stderr, "epx bench: rank %d: out of memory in the combine oracle\n", bc->rank);
+        exit(1);
+    }
+    epx_tensor_t out = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
+    uint16_t *got = copy_out(bc, &out, bc->moe.num_tokens, bc->moe.hidden);
+    int ok = epx__bench_compare_bf16(bc->label, what, got, expected, bc->moe.num_tokens,
+                                     bc->moe.hidden, 0);
+    free(got);
+    free(expected);
+    return ok;
+}
+
+/* The checked run: every op once, in the timed loop's order. */
+static void run_checked(bench_case_t *bc, rank_summary_t *summary)
+{
+    int check = bc->options->check;
+    moe_expected_t expected;
+    memset(&expected, 0, sizeof(expected));
+    if (check && moe_oracle_dispatch(&bc->moe, bc->rank, &expected) != 0) {
+        fprintf(stderr, "epx bench: rank %d: out of memory in the dispatch oracle\n", bc->rank);
+        exit(1);
+    }
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+        summary->check[op] = check ? EPX__BENCH_CHECK_PASS : EPX__BENCH_CHECK_NONE;
+
+    run_layout(bc);
+    if (check && !check_layout(bc, &expected))
+        summary->check[EPX__BENCH_OP_LAYOUT] = EPX__BENCH_CHECK_FAIL;
+
+    epx_dispatch_result_t result;
+    run_dispatch(bc, NULL, &result);
+    bc->num_recv = result.num_recv_tokens;
+    summary->num_recv = bc->num_recv;
+    if (check && !check_dispatch(bc, &expected, &result, 0))
+        summary->check[EPX__BENCH_OP_DISPATCH] = EPX__BENCH_CHECK_FAIL;
+
+    epx_dispatch_result_t cached;
+    run_dispatch(bc, result.handle, &cached);
+    if (check && !check_dispatch(bc, &expected, &cached, 1))
+        summary->check[EPX__BENCH_OP_CACHED_DISPATCH] = EPX__BENCH_CHECK_FAIL;
+
+    make_combine_input(bc, check ? &expected : NULL, result.handle);
+    /* out_x is cleared before each, so neither check can pass on the other's result. */
+    size_t out_bytes = (size_t)bc->moe.num_tokens * (size_t)bc->moe.hidden * 2;
+    const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY};
+    for (int i = 0; i < 2; i++) {
+        epx__bench_must(bc->rank, epx__bench_fill(bc->device, bc->out_x, 0xff, out_bytes),
+                        "bench clearing out_x");
+        run_combine(bc, result.handle, combines[i]);
+        if (check && !check_combine(bc, combines[i] == EPX__BENCH_OP_COMBINE
+                                            ? "combine (input view) out_x"
+                                            : "combine_copy (separate x) out_x"))
+            summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
+    }
+
+    epx__bench_must(bc->rank, epx_handle_destroy(result.handle), "epx_handle_destroy");
+    if (check)
+        moe_expected_free(&expected);
+}
+
+void epx__bench_allgather(epx_group_t group, const void *mine, void *all, size_t bytes,
+                          const char *what)
+{
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
+    epx__bench_must(info.rank, epx_group_allgather(group, mine, all, bytes), what);
+}
+
+/* Once per case, off the timed path. */
+static void allgather(bench_case_t *bc, const void *mine, void *all, size_t bytes,
+                      const char *what)
+{
+    epx__bench_allgather(bc->group, mine, all, bytes, what);
+}
+
+/*
+ * slowest[op][it] = the longest any rank took for that op in that iteration. Rank 0
+ * alone can finish well before the others (it measured below the all-ranks floor on
+ * one GPU), so the floor is compared with the slowest rank.
+ */
+static void gather_slowest(bench_case_t *bc, double *times[EPX__BENCH_OP_COUNT], int iters,
+                           double *slowest[EPX__BENCH_OP_COUNT])
+{
+    size_t per_rank = (size_t)iters * EPX__BENCH_OP_COUNT;
+    double *mine = malloc(per_rank * sizeof(double));
+    double *all = malloc(per_rank * (size_t)bc->world_size * sizeof(double));
+    if (mine == NULL || all == NULL) {
+        fprintf(stderr, "epx bench: rank %d: out of memory gathering times\n", bc->rank);
+        exit(1);
+    }
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+        memcpy(mine + (size_t)op * (size_t)iters, times[op], (size_t)iters * sizeof(double));
+    allgather(bc, mine, all, per_rank * sizeof(double), "gathering times");
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++) {
+        for (int it = 0; it < iters; it++) {
+            double longest = 0;
+            for (int r = 0; r < bc->world_size; r++) {
+                double t = all[(size_t)r * per_rank + (size_t)op * (size_t)iters + (size_t)it];
+                longest = t > longest ? t : longest;
+            }
+            slowest[op][it] = longest;
+        }
+    }
+    free(mine);
+    free(all);
+}
+
+/* ---------------------------------------------------------------- timing */
+
+static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX__BENCH_OP_COUNT])
+{
+    for (int it = 0; it < warmup + iters; it++) {
+        /* Start together, so rank 0's times measure the collective, not the skew. */
+        epx__bench_must(bc->rank, epx_group_barrier(bc->group), "epx_group_barrier");
+        epx_dispatch_result_t result, cached;
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 0), "timestamp");
+        run_layout(bc);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 1), "timestamp");
+        run_dispatch(bc, NULL, &result);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 2), "timestamp");
+        run_dispatch(bc, result.handle, &cached);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 3), "timestamp");
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 4), "timestamp");
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_COPY);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 5), "timestamp");
+
+        double durations[EPX__BENCH_OP_COUNT];
+        epx__bench_must(bc->rank, epx__bench_elapsed_us(bc->device, EPX__BENCH_OP_COUNT + 1, durations),
+                        "reading timestamps");
+        if (result.num_recv_tokens != bc->num_recv) {
+            fprintf(stderr, "epx bench: %s: iteration %d received %lld tokens, the first run %lld "
+                    "(same inputs)\n", bc->label, it, (long long)result.num_recv_tokens,
+                    (long long)bc->num_recv);
+            exit(1);
+        }
+        epx__bench_must(bc->rank, epx_handle_destroy(result.handle), "epx_handle_destroy");
+        if (it >= warmup) {
+            for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+                times[op][it - warmup] = durations[op];
+        }
+    }
+}
+
+static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
+{
+    int64_t hidden = bc->moe.hidden;
+    switch (op) {
+    case EPX__BENCH_OP_DISPATCH:
+    case EPX__BENCH_OP_CACHED_DISPATCH:
+        return hidden * (int64_t)element_size(bc) + (is_fp8(bc) ? bc->scale_cols * 4 : 0);
+    case EPX__BENCH_OP_COMBINE:
+    case EPX__BENCH_OP_COMBINE_COPY:
+        return hidden * 2;
+    default:
+        return 0; /* layout moves no payload */
+    }
+}
+
+int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
+                        epx__bench_device_t *device, epx_dtype_t dtype, int warmup, int iters,
+                        epx__bench_row_t rows[EPX__BENCH_OP_COUNT])
+{
+    bench_case_t bc;
+    memset(&bc, 0, sizeof(bc));
+    bc.group = group;
+    bc.options = options;
+    bc.device = device;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
+    bc.rank = info.rank;
+    bc.world_size = info.world_size;
+    moe_case_t moe = {info.world_size, options->tokens, options->hidden, options->experts,
+                      options->topk, dtype, options->alignment, options->seed,
+                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node};
+    bc.moe = moe;
+    bc.scale_cols = options->hidden / 128;
+    snprintf(bc.label, sizeof(bc.label), "rank %d %s", bc.rank,
+             dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
+
+    setup(&bc);
+    rank_summary_t mine;
+    run_checked(&bc, &mine);
+    rank_summary_t *all = calloc((size_t)bc.world_size, sizeof(rank_summary_t));
+    double *times[EPX__BENCH_OP_COUNT], *slowest[EPX__BENCH_OP_COUNT];
+    int out_of_memory = all == NULL;
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++) {
+        times[op] = calloc((size_t)(iters > 0 ? iters : 1), sizeof(double));
+        slowest[op] = calloc((size_t)(iters > 0 ? iters : 1), sizeof(double));
+        out_of_memory |= times[op] == NULL || slowest[op] == NULL;
+    }
+    if (out_of_memory) {
+        fprintf(stderr, "epx bench: rank %d: out of memory\n", bc.rank);
+        exit(1);
+    }
+    allgather(&bc, &mine, all, sizeof(mine), "gathering check results");
+    run_timed(&bc, warmup, iters, times);
+    gather_slowest(&bc, times, iters, slowest);
+
+    int failed = 0;
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++) {
+        epx__bench_row_t *row = &rows[op];
+        row->dtype = dtype;
+        row->op = (epx__bench_op_t)op;
+        row->median_us = epx__bench_median(times[op], iters);
+        row->p99_us = epx__bench_p99(times[op], iters);
+        row->slowest_us = epx__bench_median(slowest[op], iters);
+        row->bytes_per_rank = bc.num_recv * row_bytes(&bc, (epx__bench_op_t)op);
+        row->total_bytes = 0;
+        row->check = options->check ? EPX__BENCH_CHECK_PASS : EPX__BENCH_CHECK_NONE;
+        for (int r = 0; r < bc.world_size; r++) {
+            row->total_bytes += all[r].num_recv * row_bytes(&bc, (epx__bench_op_t)op);
+            if (all[r].check[op] == EPX__BENCH_CHECK_FAIL)
+                row->check = EPX__BENCH_CHECK_FAIL;
+        }
+        failed |= row->check == EPX__BENCH_CHECK_FAIL;
+        free(times[op]);
+        free(slowest[op]);
+    }
+    free(all);
+    teardown(&bc);
+    return failed;
+}

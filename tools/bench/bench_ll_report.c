@@ -1,0 +1,250 @@
+/*
+ * What `epx bench --mode ll` prints: latency in microseconds as DeepEP reports it for
+ * its low-latency kernels (docs/DESIGN.md section 5), per op the median, p99 and mean of
+ * rank 0 and of the slowest rank, the bytes each rank sends, the buffer memory, and the
+ * one-GPU floor; as a table with a header or as one JSON object per line.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_ll.h"
+
+const char *epx__bench_ll_op_name(epx__bench_ll_op_t op)
+{
+    switch (op) {
+    case EPX__BENCH_LL_DISPATCH:
+        return "dispatch";
+    case EPX__BENCH_LL_COMBINE:
+        return "combine";
+    case EPX__BENCH_LL_DISPATCH_SEND:
+        return "dispatch_send";
+    case EPX__BENCH_LL_DISPATCH_RECV:
+        return "dispatch_recv";
+    case EPX__BENCH_LL_COMBINE_SEND:
+        return "combine_send";
+    case EPX__BENCH_LL_COMBINE_RECV:
+        return "combine_recv";
+    case EPX__BENCH_LL_LOOP_DISPATCH:
+        return "dispatch_loop";
+    case EPX__BENCH_LL_LOOP_COMBINE:
+        return "combine_loop";
+    case EPX__BENCH_LL_LOOP_STEP:
+        return "step_loop";
+    case EPX__BENCH_LL_LOOP_SPLIT:
+        return "step_split_loop";
+    case EPX__BENCH_LL_GRAPH_STEP:
+        return "step_graph";
+    default:
+        return "unknown";
+    }
+}
+
+epx__bench_stats_t epx__bench_stats(const double *values, int count)
+{
+    epx__bench_stats_t stats = {NAN, NAN, NAN};
+    if (count <= 0)
+        return stats;
+    double *sorted = malloc((size_t)count * sizeof(double));
+    if (sorted == NULL)
+        return stats; /* printed as missing: a number that cannot be computed */
+    memcpy(sorted, values, (size_t)count * sizeof(double));
+    stats.median_us = epx__bench_median(sorted, count);
+    stats.p99_us = epx__bench_p99(sorted, count);
+    stats.mean_us = epx__bench_mean(sorted, count);
+    free(sorted);
+    return stats;
+}
+
+static const char *dtype_text(epx_dtype_t dtype)
+{
+    return dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
+}
+
+static const char *check_text(int check)
+{
+    if (check == EPX__BENCH_CHECK_PASS)
+        return "PASS";
+    if (check == EPX__BENCH_CHECK_FAIL)
+        return "FAIL";
+    return "-";
+}
+
+static const char *scales_text(const epx__bench_ll_context_t *ll)
+{
+    if (ll->use_ue8m0)
+        return "UE8M0 exponents, four per int32 (round_scale + use_ue8m0)";
+    if (ll->round_scale)
+        return "power-of-two fp32 scales (round_scale)";
+    return "fp32 scales";
+}
+
+static double floor_us(const epx__bench_ll_context_t *ll, const epx__bench_ll_row_t *row)
+{
+    return epx__bench_copy_time_us(row->floor_bytes, ll->context->floor_bw_gbps);
+}
+
+static double gbps(const epx__bench_ll_row_t *row)
+{
+    if (row->bytes_per_rank <= 0 || !(row->rank0.median_us > 0))
+        return NAN;
+    return (double)row->bytes_per_rank / (row->rank0.median_us * 1e3);
+}
+
+void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
+{
+    const epx__bench_context_t *c = ll->context;
+    char total[32], low_latency[32];
+    epx__bench_format_bytes(ll->buffer_bytes, total, sizeof(total));
+    epx__bench_format_bytes(ll->ll_buffer_bytes, low_latency, sizeof(low_latency));
+    fprintf(out,
+            "# epx bench --mode ll: backend %s, %d ranks, tokens %lld hidden %lld experts %d "
+            "topk %d seed %llu, SMs %d, warmup %d iters %d\n",
+            c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->experts,
+            c->topk, (unsigned long long)c->seed, c->sms, c->warmup, c->iters);
+    fprintf(out, "# dispatch: x bf16 in; fp8 rows carry %s, one per 128 channels; combine: bf16, "
+                 "x in the zero-copy buffer (epx_ll_get_combine_buffer)\n",
+            scales_text(ll));
+    fprintf(out, "# buffer: %s per rank (epx_buffer_size), %s of it for low latency "
+                 "(max_low_latency_tokens %lld, low_latency_dtype %s: rows sized for %s)\n",
+            total, low_latency, (long long)c->tokens, dtype_text(ll->ll_dtype),
+            ll->ll_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8 dispatch only" : "bf16 or fp8 dispatch");
+    if (c->floor_bw_gbps > 0)
+        fprintf(out, "# floor: bytes all ranks read + write / %.1f GB/s (%s); dispatch reads and "
+                     "writes every row sent, combine reads every row sent back and writes one "
+                     "row per token\n",
+                c->floor_bw_gbps, c->floor_source);
+    else
+        fprintf(out, "# floor: unknown (%s)\n", c->floor_source);
+    fprintf(out, "# median, p99, mean: rank 0's times in us; slowest: each iteration's slowest "
+                 "rank, median and p99;\n"
+                 "# MB/rank: rank 0's rows sent x row bytes; GB/s = MB/rank / rank 0's median; "
+                 "time/floor = slowest / floor;\n"
+                 "# *_send, *_recv: the split, each half alone (the receive starts once every "
+                 "rank's send has finished)\n");
+    fprintf(out, "# %-5s %-14s %10s %10s %10s %11s %11s %8s %9s %9s %10s %5s\n", "dtype", "op",
+            "median_us", "p99_us", "mean_us", "slowest_us", "slowest_p99", "MB/rank", "GB/s/rank",
+            "floor_us", "time/floor", "check");
+    fflush(out);
+}
+
+static void print_table_row(FILE *out, const epx__bench_ll_context_t *ll,
+                            const epx__bench_ll_row_t *row)
+{
+    double floor = floor_us(ll, row);
+    fprintf(out, "  %-5s %-14s ", dtype_text(row->dtype), epx__bench_ll_op_name(row->op));
+    const double numbers[] = {row->rank0.median_us, row->rank0.p99_us, row->rank0.mean_us};
+    for (size_t i = 0; i < sizeof(numbers) / sizeof(numbers[0]); i++) {
+        epx__bench_print_number(out, 10, 1, numbers[i], "-");
+        fputc(' ', out);
+    }
+    epx__bench_print_number(out, 11, 1, row->slowest.median_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 11, 1, row->slowest.p99_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 8, 2, row->bytes_per_rank > 0 ? row->bytes_per_rank / 1e6 : NAN,
+                            "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 9, 2, gbps(row), "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 9, 2, floor, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 10, 2, row->slowest.median_us / floor, "-");
+    fprintf(out, " %5s\n", check_text(row->check));
+}
+
+typedef enum { STAT_MEDIAN, STAT_P99, STAT_MEAN } stat_t;
+
+static double stat_of(const epx__bench_stats_t *stats, stat_t which)
+{
+    return which == STAT_MEDIAN ? stats->median_us
+                                : which == STAT_P99 ? stats->p99_us : stats->mean_us;
+}
+
+/* ",\"key\":[rank 0's, rank 1's, ...]" of one statistic. */
+static void print_json_per_rank(FILE *out, const char *key, const epx__bench_stats_t *per_rank,
+                                int ranks, stat_t which)
+{
+    fprintf(out, ",\"%s\":[", key);
+    for (int r = 0; r < ranks; r++) {
+        double value = stat_of(&per_rank[r], which);
+        if (isfinite(value))
+            fprintf(out, "%s%.6g", r > 0 ? "," : "", value);
+        else
+            fprintf(out, "%snull", r > 0 ? "," : "");
+    }
+    fputc(']', out);
+}
+
+/* Strings printed here are our own fixed words (no quotes or backslashes to escape). */
+static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
+                           const epx__bench_ll_row_t *row)
+{
+    const epx__bench_context_t *c = ll->context;
+    int fp8 = row->dtype == EPX_DTYPE_FP8_E4M3;
+    double floor = floor_us(ll, row);
+    fprintf(out, "{\"mode\":\"ll\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
+                 "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"seed\":%llu,\"sms\":%d,"
+                 "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"round_scale\":%d,"
+                 "\"use_ue8m0\":%d,\"combine_dtype\":\"bf16\",\"op\":\"%s\"",
+            c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->experts,
+            c->topk, (unsigned long long)c->seed, c->sms, c->warmup, c->iters,
+            dtype_text(row->dtype), fp8 && ll->round_scale, fp8 && ll->use_ue8m0,
+            epx__bench_ll_op_name(row->op));
+    epx__bench_print_json_number(out, "median_us", row->rank0.median_us);
+    epx__bench_print_json_number(out, "p99_us", row->rank0.p99_us);
+    epx__bench_print_json_number(out, "mean_us", row->rank0.mean_us);
+    epx__bench_print_json_number(out, "slowest_median_us", row->slowest.median_us);
+    epx__bench_print_json_number(out, "slowest_p99_us", row->slowest.p99_us);
+    epx__bench_print_json_number(out, "slowest_mean_us", row->slowest.mean_us);
+    print_json_per_rank(out, "per_rank_median_us", row->per_rank, c->ranks,
+                        STAT_MEDIAN);
+    print_json_per_rank(out, "per_rank_p99_us", row->per_rank, c->ranks,
+                        STAT_P99);
+    print_json_per_rank(out, "per_rank_mean_us", row->per_rank, c->ranks,
+                        STAT_MEAN);
+    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld,\"floor_bytes\":%lld",
+            (long long)row->bytes_per_rank, (long long)row->total_bytes,
+            (long long)row->floor_bytes);
+    epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
+    epx__bench_print_json_number(out, "floor_bw_gbps",
+                                 c->floor_bw_gbps > 0 ? c->floor_bw_gbps : NAN);
+    fprintf(out, ",\"floor_source\":\"%s\"", c->floor_source);
+    epx__bench_print_json_number(out, "floor_us", floor);
+    epx__bench_print_json_number(out, "time_over_floor", row->slowest.median_us / floor);
+    fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld,"
+                 "\"ll_dtype\":\"%s\"",
+            (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes,
+            dtype_text(ll->ll_dtype));
+    if (row->check == EPX__BENCH_CHECK_NONE)
+        fprintf(out, ",\"check\":null}\n");
+    else
+        fprintf(out, ",\"check\":\"%s\"}\n", check_text(row->check));
+}
+
+void epx__bench_ll_print_row(FILE *out, const epx__bench_ll_context_t *ll,
+                             const epx__bench_ll_row_t *row, int json)
+{
+    if (json)
+        print_json_row(out, ll, row);
+    else
+        print_table_row(out, ll, row);
+    fflush(out);
+}
+
+void epx__bench_ll_print_per_rank(FILE *out, const epx__bench_ll_context_t *ll,
+                                  const epx__bench_ll_row_t *rows, int count)
+{
+    int ranks = ll->context->ranks;
+    fprintf(out, "# per rank, median_us of ranks 0..%d:\n", ranks - 1);
+    for (int i = 0; i < count; i++) {
+        fprintf(out, "#   %-5s %-14s", dtype_text(rows[i].dtype),
+                epx__bench_ll_op_name(rows[i].op));
+        for (int r = 0; r < ranks; r++) {
+            fputc(' ', out);
+            epx__bench_print_number(out, 9, 1, rows[i].per_rank[r].median_us, "-");
+        }
+        fputc('\n', out);
+    }
+    fflush(out);
+}

@@ -1,0 +1,214 @@
+/*
+ * Bench output. The metrics are the ones DeepEP prints, so numbers compare across
+ * projects (docs/DESIGN.md section 5): bytes a rank receives (dispatch) or sends (combine)
+ * divided by the op's time is the "bottleneck bandwidth"; the floor is the time to read
+ * and write every rank's bytes once at the copy bandwidth, since on one GPU all ranks
+ * share the same memory.
+ */
+#include "bench_report.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+const char *epx__bench_op_name(epx__bench_op_t op)
+{
+    switch (op) {
+    case EPX__BENCH_OP_LAYOUT:
+        return "layout";
+    case EPX__BENCH_OP_DISPATCH:
+        return "dispatch";
+    case EPX__BENCH_OP_CACHED_DISPATCH:
+        return "cached_dispatch";
+    case EPX__BENCH_OP_COMBINE:
+        return "combine";
+    case EPX__BENCH_OP_COMBINE_COPY:
+        return "combine_copy";
+    default:
+        return "unknown";
+    }
+}
+
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double epx__bench_median(double *values, int count)
+{
+    if (count <= 0)
+        return NAN;
+    qsort(values, (size_t)count, sizeof(double), compare_doubles);
+    if (count % 2 == 1)
+        return values[count / 2];
+    return (values[count / 2 - 1] + values[count / 2]) / 2;
+}
+
+double epx__bench_p99(double *values, int count)
+{
+    if (count <= 0)
+        return NAN;
+    qsort(values, (size_t)count, sizeof(double), compare_doubles);
+    int rank = (int)ceil(0.99 * count); /* nearest rank: the smallest value >= 99% */
+    if (rank < 1)
+        rank = 1;
+    return values[rank - 1];
+}
+
+double epx__bench_mean(const double *values, int count)
+{
+    if (count <= 0)
+        return NAN;
+    double sum = 0;
+    for (int i = 0; i < count; i++)
+        sum += values[i];
+    return sum / count;
+}
+
+double epx__bench_copy_time_us(int64_t bytes, double bw_gbps)
+{
+    if (bytes <= 0 || !(bw_gbps > 0))
+        return NAN;
+    return (double)bytes / bw_gbps / 1e3; /* bytes / (GB/s) = ns */
+}
+
+double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row)
+{
+    if (row->bytes_per_rank <= 0)
+        return NAN;
+    /* Every byte read once and written once. */
+    return epx__bench_copy_time_us(2 * row->total_bytes, context->floor_bw_gbps);
+}
+
+static double gbps(const epx__bench_row_t *row)
+{
+    if (row->bytes_per_rank <= 0 || !(row->median_us > 0))
+        return NAN;
+    return (double)row->bytes_per_rank / (row->median_us * 1e3);
+}
+
+static const char *check_text(int check)
+{
+    if (check == EPX__BENCH_CHECK_PASS)
+        return "PASS";
+    if (check == EPX__BENCH_CHECK_FAIL)
+        return "FAIL";
+    return "-";
+}
+
+static const char *dtype_text(epx_dtype_t dtype)
+{
+    return dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
+}
+
+void epx__bench_format_bytes(int64_t bytes, char *text, size_t size)
+{
+    static const char *const units[] = {"KiB", "MiB", "GiB", "TiB"};
+    if (bytes < 1024) {
+        snprintf(text, size, "%lld B", (long long)bytes);
+        return;
+    }
+    double value = (double)bytes / 1024.0;
+    int unit = 0;
+    while (value >= 1024.0 && unit < 3) {
+        value /= 1024.0;
+        unit++;
+    }
+    snprintf(text, size, "%.2f %s", value, units[unit]);
+}
+
+void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
+{
+    fprintf(out,
+            "# epx bench: backend %s, %d ranks, tokens %lld hidden %lld experts %d topk %d "
+            "alignment %d seed %llu, SMs %d, warmup %d iters %d\n",
+            context->backend, context->ranks, (long long)context->tokens,
+            (long long)context->hidden, context->experts, context->topk, context->alignment,
+            (unsigned long long)context->seed, context->sms, context->warmup, context->iters);
+    if (context->floor_bw_gbps > 0)
+        fprintf(out, "# floor: 2 x bytes of all ranks / %.1f GB/s (%s)\n",
+                context->floor_bw_gbps, context->floor_source);
+    else
+        fprintf(out, "# floor: unknown (%s)\n", context->floor_source);
+    fprintf(out, "# median and p99: rank 0's times in us; GB/s = rank 0's bytes / its median;\n"
+                 "# slowest: median over iterations of the slowest rank; %%floor = floor / "
+                 "slowest\n");
+    fprintf(out, "# %-5s %-16s %11s %11s %11s %10s %11s %7s %5s\n", "dtype", "op", "median_us",
+            "p99_us", "slowest_us", "GB/s/rank", "floor_us", "%floor", "check");
+    fflush(out);
+}
+
+void epx__bench_print_number(FILE *out, int width, int precision, double value,
+                             const char *missing)
+{
+    if (isfinite(value))
+        fprintf(out, "%*.*f", width, precision, value);
+    else
+        fprintf(out, "%*s", width, missing);
+}
+
+static void print_table_row(FILE *out, const epx__bench_context_t *context,
+                            const epx__bench_row_t *row)
+{
+    double floor_us = epx__bench_floor_us(context, row);
+    fprintf(out, "  %-5s %-16s ", dtype_text(row->dtype), epx__bench_op_name(row->op));
+    epx__bench_print_number(out, 11, 1, row->median_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 11, 1, row->p99_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 11, 1, row->slowest_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 10, 2, gbps(row), "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 11, 1, floor_us, "-");
+    fputc(' ', out);
+    epx__bench_print_number(out, 7, 1, floor_us / row->slowest_us * 100.0, "-");
+    fprintf(out, " %5s\n", check_text(row->check));
+}
+
+void epx__bench_print_json_number(FILE *out, const char *key, double value)
+{
+    if (isfinite(value))
+        fprintf(out, ",\"%s\":%.6g", key, value);
+    else
+        fprintf(out, ",\"%s\":null", key);
+}
+
+/* Strings printed here are our own fixed words (no quotes or backslashes to escape). */
+static void print_json_row(FILE *out, const epx__bench_context_t *context,
+                           const epx__bench_row_t *row)
+{
+    double floor_us = epx__bench_floor_us(context, row);
+    fprintf(out, "{\"mode\":\"normal\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
+                 "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"alignment\":%d,\"seed\":%llu,"
+                 "\"sms\":%d,\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
+            context->backend, context->ranks, (long long)context->tokens,
+            (long long)context->hidden, context->experts, context->topk, context->alignment,
+            (unsigned long long)context->seed, context->sms, context->warmup, context->iters,
+            dtype_text(row->dtype), epx__bench_op_name(row->op));
+    epx__bench_print_json_number(out, "median_us", row->median_us);
+    epx__bench_print_json_number(out, "p99_us", row->p99_us);
+    epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
+    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld", (long long)row->bytes_per_rank,
+            (long long)row->total_bytes);
+    epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
+    epx__bench_print_json_number(out, "floor_bw_gbps",
+                                 context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
+    fprintf(out, ",\"floor_source\":\"%s\"", context->floor_source);
+    epx__bench_print_json_number(out, "floor_us", floor_us);
+    epx__bench_print_json_number(out, "pct_of_floor", floor_us / row->slowest_us * 100.0);
+    if (row->check == EPX__BENCH_CHECK_NONE)
+        fprintf(out, ",\"check\":null}\n");
+    else
+        fprintf(out, ",\"check\":\"%s\"}\n", check_text(row->check));
+}
+
+void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,
+                          const epx__bench_row_t *row, int json)
+{
+    if (json)
+        print_json_row(out, context, row);
+    else
+        print_table_row(out, context, row);
+    fflush(out);
+}
