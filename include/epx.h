@@ -305,12 +305,25 @@ typedef struct {
     epx_tensor_t recv_x_scales;     /* [rows, hidden/128] fp32 */
     epx_tensor_t recv_topk_idx;     /* [rows, num_topk] int64, local expert ids or -1 */
     epx_tensor_t recv_topk_weights; /* [rows, num_topk] fp32, 0 where idx is -1 */
+    /*
+     * Routing by the layout instead of by topk_idx (DeepEP's dispatch without top-k):
+     * in fresh mode without topk_idx, is_token_in_rank [tokens, world_size] bool (nonzero
+     * = send) names the ranks that receive each token, and num_tokens_per_expert
+     * [num_experts] int32 is this rank's count of tokens per expert, from which the
+     * receivers' num_recv_tokens_per_expert are summed; both as epx_get_dispatch_layout
+     * writes them. Give both or neither; never with topk_idx or a handle. Such a dispatch
+     * has no recv_topk_idx or recv_topk_weights (topk_weights needs topk_idx). Its handle
+     * works for combine and cached mode like any other. (Appended in epx 0.1: args of
+     * the older size, offsetof(epx_dispatch_args_t, is_token_in_rank), are accepted.)
+     */
+    epx_tensor_t is_token_in_rank;
+    epx_tensor_t num_tokens_per_expert;
 } epx_dispatch_args_t;
 
 #define EPX_DISPATCH_ARGS_INIT                                                            \
     {sizeof(epx_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,      \
      EPX_TENSOR_NONE, NULL, 0, 0u, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,     \
-     EPX_TENSOR_NONE}
+     EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE}
 
 typedef struct {
     size_t size;
@@ -393,6 +406,15 @@ typedef struct {
 
 /* Local. `info` must be initialised with EPX_HANDLE_INFO_INIT. */
 epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info);
+/*
+ * DeepEP's rank_prefix_matrix of the dispatch that made `handle`: `matrix` receives an
+ * int32 [world_size, world_size] view, [s][r] = tokens that ranks 0..s sent to rank r (so
+ * rank r's rows from source s are rows [s][r] - count .. [s][r] - 1, and [world-1][r] is
+ * what r received). Memory owned by the handle, valid until it is destroyed: host memory
+ * on the host backend, device memory on the CUDA backend (written in stream order by the
+ * dispatch, so also in worst-case mode, where the host does not know the counts).
+ */
+epx_status_t epx_handle_get_rank_prefix_matrix(epx_handle_t handle, epx_tensor_t *matrix);
 epx_status_t epx_handle_destroy(epx_handle_t handle);
 
 /* ================================================================ low-latency mode

@@ -7,6 +7,7 @@
  * call on the buffer returns the recorded error: the ranks no longer agree on where
  * they are in the sequence of operations, so continuing could only hang or corrupt.
  */
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -256,11 +257,21 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "dispatch: buffer is NULL");
     EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
     EPX_CHECK(normal_available(buffer, "dispatch"));
+    /* Args from before the layout-routing fields were appended: read as the full struct. */
+    epx_dispatch_args_t full;
+    if (args != NULL && args->size == offsetof(epx_dispatch_args_t, is_token_in_rank)) {
+        epx__dispatch_args_read(args, &full);
+        args = &full;
+    }
     epx_status_t status = epx__validate_dispatch(buffer, args, result);
     if (status == EPX_SUCCESS && args->handle == NULL &&
-        (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS))
-        status = epx__validate_topk_values("dispatch", &args->topk_idx,
-                                           buffer->config.num_experts);
+        (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)) {
+        if (epx__tensor_given(&args->topk_idx))
+            status = epx__validate_topk_values("dispatch", &args->topk_idx,
+                                               buffer->config.num_experts);
+        else
+            status = epx__validate_layout_counts("dispatch", &args->num_tokens_per_expert);
+    }
     epx_dispatch_result_t local;
     memset(&local, 0, sizeof(local));
     local.size = sizeof(local);

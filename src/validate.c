@@ -171,7 +171,8 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
     const char *op = "dispatch";
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
-    if (args->size != sizeof(epx_dispatch_args_t))
+    if (args->size != sizeof(epx_dispatch_args_t) &&
+        args->size != offsetof(epx_dispatch_args_t, is_token_in_rank))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_DISPATCH_ARGS_INIT)", op,
                          args->size, sizeof(epx_dispatch_args_t));
@@ -213,7 +214,24 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
     }
 
     int has_idx = 0, has_weights = 0;
-    if (args->handle != NULL) {
+    int by_layout = epx__tensor_given(&args->is_token_in_rank) ||
+                    epx__tensor_given(&args->num_tokens_per_expert);
+    if (by_layout && (args->handle != NULL || epx__tensor_given(&args->topk_idx)))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "%s: is_token_in_rank and num_tokens_per_expert route a fresh dispatch "
+                         "without topk_idx; they cannot be given with %s",
+                         op, args->handle != NULL ? "a handle (cached mode)" : "topk_idx");
+    if (by_layout) {
+        EPX_CHECK(epx__check_tensor(op, "is_token_in_rank", &args->is_token_in_rank,
+                                    EPX_DTYPE_BOOL, 2, tokens, world));
+        EPX_CHECK(epx__check_tensor(op, "num_tokens_per_expert", &args->num_tokens_per_expert,
+                                    EPX_DTYPE_INT32, 1, config->num_experts, -1));
+        if (epx__tensor_given(&args->topk_weights))
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "%s: topk_weights needs topk_idx (a dispatch routed by "
+                             "is_token_in_rank has no top-k outputs)",
+                             op);
+    } else if (args->handle != NULL) {
         if (args->handle->buffer != buffer)
             return EPX_ERROR(EPX_ERR_INVALID_ARG,
                              "%s: handle was made by another buffer", op);
@@ -227,6 +245,12 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
                              "the routing comes from the handle",
                              op);
     } else {
+        if (!epx__tensor_given(&args->topk_idx))
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "%s: topk_idx is required in fresh mode (or is_token_in_rank and "
+                             "num_tokens_per_expert to route by the layout, or a handle for "
+                             "cached mode)",
+                             op);
         EPX_CHECK(epx__check_tensor(op, "topk_idx", &args->topk_idx, EPX_DTYPE_INT64, 2, tokens,
                                     config->num_topk));
         has_idx = 1;
@@ -257,6 +281,24 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
                          op);
     }
     return EPX_SUCCESS;
+}
+
+epx_status_t epx__validate_layout_counts(const char *op, const epx_tensor_t *counts)
+{
+    const int32_t *value = counts->data;
+    for (int64_t e = 0; e < counts->shape[0]; e++)
+        if (value[e] < 0)
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "%s: num_tokens_per_expert[%lld] is %d, expected a count >= 0", op,
+                             (long long)e, value[e]);
+    return EPX_SUCCESS;
+}
+
+void epx__dispatch_args_read(const epx_dispatch_args_t *args, epx_dispatch_args_t *full)
+{
+    memset(full, 0, sizeof(*full));
+    memcpy(full, args, args->size < sizeof(*full) ? args->size : sizeof(*full));
+    full->size = sizeof(*full);
 }
 
 epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t *args)

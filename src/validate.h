@@ -15,6 +15,10 @@ epx_status_t epx__validate_layout(epx_buffer_t buffer, const epx_layout_args_t *
 epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                                     const epx_dispatch_result_t *result);
 epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t *args);
+/* Dispatch args of either accepted size (validated) as the current struct, new fields 0. */
+void epx__dispatch_args_read(const epx_dispatch_args_t *args, epx_dispatch_args_t *full);
+/* num_tokens_per_expert in host memory (host backend): every count >= 0. */
+epx_status_t epx__validate_layout_counts(const char *op, const epx_tensor_t *counts);
 
 /*
  * Expert ids in host memory: every entry in [-1, num_experts). The host backend calls it

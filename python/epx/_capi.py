@@ -170,6 +170,8 @@ class DispatchArgs(Structure):
         ("recv_x_scales", Tensor),
         ("recv_topk_idx", Tensor),
         ("recv_topk_weights", Tensor),
+        ("is_token_in_rank", Tensor),
+        ("num_tokens_per_expert", Tensor),
     ]
 
 
@@ -337,6 +339,7 @@ _PROTOTYPES = {
     "epx_get_combine_input": (c_int, [epx_buffer_p, epx_handle_p, POINTER(Tensor)]),
     "epx_handle_get_info": (c_int, [epx_handle_p, POINTER(HandleInfo)]),
     "epx_handle_destroy": (c_int, [epx_handle_p]),
+    "epx_handle_get_rank_prefix_matrix": (c_int, [epx_handle_p, POINTER(Tensor)]),
     "epx_ll_dispatch": (c_int, [epx_buffer_p, POINTER(LLDispatchArgs),
                                 POINTER(LLDispatchResult), c_void_p]),
     "epx_ll_receive": (c_int, [epx_buffer_p, LLHandle, c_void_p]),

@@ -76,6 +76,7 @@ void epx__handle_free(struct epx_handle *handle)
     free(handle->recv_src_rank);
     free(handle->recv_src_token);
     free(handle->num_recv_per_expert);
+    free(handle->rank_prefix);
     free(handle);
 }
 

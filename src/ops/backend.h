@@ -86,6 +86,11 @@ struct epx_handle {
     int32_t *recv_src_token;
     /* [num_local_experts]: rows per local expert, rounded up to expert_alignment. */
     int32_t *num_recv_per_expert;
+    /* [world_size * world_size] rank_prefix_matrix (epx_handle_get_rank_prefix_matrix):
+     * a GPU backend's device copy (in backend_state, or NULL), else a host copy made from
+     * rank_counts on first request (NULL until then). */
+    const int32_t *rank_prefix_device;
+    int32_t *rank_prefix;
     void *backend_state;
     void (*backend_free)(struct epx_handle *handle);
 };

@@ -2,6 +2,7 @@
  * Rejected dispatch and layout arguments (test_bad_input, one rank). Each case starts
  * from valid arguments on a fresh buffer and breaks one thing.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -71,6 +72,70 @@ static void output_without_recv_x(bi_fixture_t *f)
 {
     attach_outputs(f, BI_MAX_TOKENS * bi_info.world_size);
     f->args.recv_x = (epx_tensor_t)EPX_TENSOR_NONE;
+}
+/* Route by the layout instead of topk_idx (counts and bits all zero: shapes matter here). */
+static void by_layout(bi_fixture_t *f)
+{
+    int world = bi_info.world_size;
+    f->outputs[0] = mr_mem_alloc((size_t)(BI_TOKENS * world), 0);
+    f->outputs[1] = mr_mem_alloc((size_t)f->c.num_experts * 4, 0);
+    f->args.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
+    f->args.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
+    f->args.is_token_in_rank = epx_tensor_2d(f->outputs[0], EPX_DTYPE_BOOL, BI_TOKENS, world);
+    f->args.num_tokens_per_expert =
+        epx_tensor_1d(f->outputs[1], EPX_DTYPE_INT32, f->c.num_experts);
+}
+static void layout_with_topk(bi_fixture_t *f)
+{
+    epx_tensor_t idx = f->args.topk_idx;
+    by_layout(f);
+    f->args.topk_idx = idx;
+}
+static void layout_with_weights(bi_fixture_t *f)
+{
+    epx_tensor_t weights = f->args.topk_weights;
+    by_layout(f);
+    f->args.topk_weights = weights;
+}
+static void layout_without_counts(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.num_tokens_per_expert = (epx_tensor_t)EPX_TENSOR_NONE;
+}
+static void layout_without_bits(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.is_token_in_rank = (epx_tensor_t)EPX_TENSOR_NONE;
+}
+static void layout_bits_dtype(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.is_token_in_rank.dtype = EPX_DTYPE_INT32;
+}
+static void layout_bits_rows(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.is_token_in_rank.shape[0] = BI_TOKENS - 1;
+}
+static void layout_bits_cols(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.is_token_in_rank.shape[1] = bi_info.world_size + 1;
+}
+static void layout_counts_len(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.num_tokens_per_expert.shape[0] = f->c.num_experts - 1;
+}
+static void layout_counts_dtype(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.num_tokens_per_expert.dtype = EPX_DTYPE_INT64;
+}
+static void layout_with_handle(bi_fixture_t *f)
+{
+    by_layout(f);
+    f->args.handle = (epx_handle_t)f->outputs[0]; /* refused before it is looked at */
 }
 static void nothing(bi_fixture_t *f) { (void)f; }
 
@@ -144,6 +209,26 @@ static const dispatch_case_t dispatch_cases[] = {
      "recv_x"},
     {"dispatch: outputs without recv_x", BF16, BI_TOKENS, CALL_PLAIN, output_without_recv_x,
      INVALID, "recv_x"},
+    {"dispatch: is_token_in_rank with topk_idx", BF16, BI_TOKENS, CALL_PLAIN, layout_with_topk,
+     INVALID, "topk_idx"},
+    {"dispatch: routed by layout with topk_weights", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_with_weights, INVALID, "topk_weights"},
+    {"dispatch: is_token_in_rank without counts", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_without_counts, INVALID, "num_tokens_per_expert"},
+    {"dispatch: num_tokens_per_expert without bits", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_without_bits, INVALID, "is_token_in_rank"},
+    {"dispatch: is_token_in_rank dtype int32", BF16, BI_TOKENS, CALL_PLAIN, layout_bits_dtype,
+     INVALID, "is_token_in_rank"},
+    {"dispatch: is_token_in_rank rows != x rows", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_bits_rows, INVALID, "is_token_in_rank"},
+    {"dispatch: is_token_in_rank columns != ranks", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_bits_cols, INVALID, "is_token_in_rank"},
+    {"dispatch: num_tokens_per_expert length", BF16, BI_TOKENS, CALL_PLAIN, layout_counts_len,
+     INVALID, "num_tokens_per_expert"},
+    {"dispatch: num_tokens_per_expert dtype int64", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_counts_dtype, INVALID, "num_tokens_per_expert"},
+    {"dispatch: is_token_in_rank with a handle", BF16, BI_TOKENS, CALL_PLAIN,
+     layout_with_handle, INVALID, "handle"},
 };
 
 static void run_dispatch_case(const dispatch_case_t *dc)
@@ -193,11 +278,41 @@ static void run_poison_case(void)
     bi_teardown(&f);
 }
 
+/* Host memory is read by the entry point: a negative count is refused (host backend). */
+static void run_negative_count_case(void)
+{
+    if (bi_info.backend != EPX_BACKEND_HOST)
+        return;
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    by_layout(&f);
+    ((int32_t *)f.outputs[1])[3] = -1;
+    bi_expect("dispatch: num_tokens_per_expert[3] = -1",
+              epx_dispatch(f.buffer, &f.args, &f.result, NULL), INVALID, "num_tokens_per_expert");
+    bi_teardown(&f);
+}
+
+/* The old args size (before the layout fields) is still accepted. */
+static void run_old_size_case(void)
+{
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    f.args.size = offsetof(epx_dispatch_args_t, is_token_in_rank);
+    CHECK_OK(epx_dispatch(f.buffer, &f.args, &f.result, NULL));
+    CHECK_OK(epx_handle_destroy(f.result.handle));
+    bi_teardown(&f);
+}
+
 void bi_run_dispatch_cases(void)
 {
     for (size_t i = 0; i < sizeof dispatch_cases / sizeof dispatch_cases[0]; i++)
         run_dispatch_case(&dispatch_cases[i]);
     run_poison_case();
+    run_negative_count_case();
+    run_old_size_case();
+    bi_expect("handle_get_rank_prefix_matrix: NULL handle",
+              epx_handle_get_rank_prefix_matrix(NULL, &(epx_tensor_t)EPX_TENSOR_NONE), INVALID,
+              "handle");
 
     /* The same arguments, unbroken, pass: the cases above failed for their one defect. */
     bi_fixture_t f;

@@ -430,6 +430,70 @@ static void roundtrip_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle
     mr_mem_free(out_x);
 }
 
+/*
+ * The handle's rank_prefix_matrix: [s][r] = tokens ranks 0..s send to r, from every
+ * rank's oracle layout (num_tokens_per_rank of rank s = what s sends to each rank).
+ */
+static void check_rank_prefix(const nt_ctx_t *ctx, epx_handle_t handle, const char *step)
+{
+    const moe_case_t *c = ctx->c;
+    int world = c->world_size;
+    epx_tensor_t matrix;
+    CHECK_OK(epx_handle_get_rank_prefix_matrix(handle, &matrix));
+    if (matrix.dtype != EPX_DTYPE_INT32 || matrix.ndim != 2 || matrix.shape[0] != world ||
+        matrix.shape[1] != world)
+        nt_fail(ctx, step, "rank_prefix_matrix is %s [%lld, %lld], expected int32 [%d, %d]",
+                epx_dtype_name(matrix.dtype), (long long)matrix.shape[0],
+                (long long)matrix.shape[1], world, world);
+    int32_t *got = calloc((size_t)world * world, sizeof(int32_t));
+    int32_t *sums = calloc((size_t)world, sizeof(int32_t));
+    CHECK(got != NULL && sums != NULL);
+    /* The matrix is device memory on the GPU backend, after this rank's dispatch. */
+    mr_mem_to_host(got, matrix.data, (size_t)world * world * sizeof(int32_t));
+    for (int src = 0; src < world; src++) {
+        moe_expected_t es;
+        CHECK_EQ_INT(moe_oracle_dispatch(c, src, &es), 0);
+        for (int r = 0; r < world; r++) {
+            sums[r] += es.num_tokens_per_rank[r];
+            if (got[src * world + r] != sums[r])
+                nt_fail(ctx, step, "rank_prefix_matrix[%d][%d] is %d, expected %d", src, r,
+                        got[src * world + r], sums[r]);
+        }
+        moe_expected_free(&es);
+    }
+    free(got);
+    free(sums);
+}
+
+/*
+ * Fresh dispatch routed by the layout (is_token_in_rank and num_tokens_per_expert, as
+ * DeepEP's dispatch without top-k): the same rows and per-expert counts as the top-k
+ * routing, no top-k outputs; then its combine (rows and handle work as any other).
+ */
+static void dispatch_by_layout(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in)
+{
+    const moe_case_t *c = ctx->c;
+    const char *step = "fresh dispatch routed by the layout";
+    int64_t n = in->host.num_tokens;
+    int world = c->world_size;
+    void *in_rank = mr_mem_from_host(ctx->e->is_token_in_rank, n > 0 ? (size_t)(n * world) : 1);
+    void *per_expert = mr_mem_from_host(ctx->e->num_tokens_per_expert,
+                                        (size_t)c->num_experts * sizeof(int32_t));
+    epx_dispatch_args_t args = dispatch_args(c, in);
+    args.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.is_token_in_rank = epx_tensor_2d(in_rank, EPX_DTYPE_BOOL, n, world);
+    args.num_tokens_per_expert = epx_tensor_1d(per_expert, EPX_DTYPE_INT32, c->num_experts);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    check_dispatch(ctx, step, &res, 0);
+    check_rank_prefix(ctx, res.handle, step);
+    combine_check(ctx, buffer, res.handle, 0, "combine of a dispatch routed by the layout");
+    CHECK_OK(epx_handle_destroy(res.handle));
+    mr_mem_free(in_rank);
+    mr_mem_free(per_expert);
+}
+
 /* ---------------------------------------------------------------- one case */
 
 /* The first round: every way of calling dispatch and combine, on buffer `buffer`. */
@@ -441,6 +505,7 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
 
     check_layout(ctx, buffer, in);
     epx_handle_t views = dispatch_fresh_views(ctx, buffer, in, "fresh dispatch (views)");
+    check_rank_prefix(ctx, views, "fresh dispatch (views)");
     /* One spare row: outputs only need to be at least as large as what arrives. */
     epx_handle_t owned = dispatch_fresh_outputs(ctx, buffer, in, ctx->e->num_recv + 1, 0,
                                                 &exact, "fresh dispatch (caller outputs)");
@@ -455,11 +520,14 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
     combine_view_check(ctx, buffer, views, max_tokens, 0,
                        "combine through the input view after a cached dispatch, not rewritten");
     combine_check(ctx, buffer, views, 1, "combine after cached dispatch");
+    check_rank_prefix(ctx, views, "after a cached dispatch");
+    dispatch_by_layout(ctx, buffer, in);
 
     epx_handle_t worst_handle =
         dispatch_fresh_outputs(ctx, buffer, in, max_tokens * c->world_size,
                                EPX_DISPATCH_WORST_CASE, &worst, "worst-case dispatch");
     combine_check(ctx, buffer, worst_handle, 1, "combine of worst-case dispatch");
+    check_rank_prefix(ctx, worst_handle, "worst-case dispatch");
     combine_view_check(ctx, buffer, worst_handle, max_tokens, 1,
                        "combine of worst-case dispatch through the input view");
 

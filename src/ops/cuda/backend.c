@@ -129,8 +129,11 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
     off += rows * s->hidden * 2;
     s->shared_bytes = align_up(off, 1 << 21);
 
+    /* A handle's device slot: send_row [T][R], recv_count, recv_per_expert [L],
+     * rank_prefix [R][R] (dispatch.c state_create). */
     int64_t slot = align_up(config->max_tokens_per_rank * R * 4, EPX_CUDA_REGION_ALIGN);
     slot += EPX_CUDA_REGION_ALIGN + align_up(L * 4, EPX_CUDA_REGION_ALIGN);
+    slot += align_up((int64_t)R * R * 4, EPX_CUDA_REGION_ALIGN);
     *handle_slot_bytes = (size_t)slot;
     if (s->num_nodes > 1)
         return epx__cuda_xn_plan(group, config, s, handle_slot_bytes);

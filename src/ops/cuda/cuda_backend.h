@@ -47,6 +47,7 @@ typedef struct {
     int32_t *send_row;        /* [num_tokens][R]: row of each token at each rank, or -1 */
     int32_t *recv_count;      /* rows received */
     int32_t *recv_per_expert; /* [L], rounded up to the handle's alignment */
+    int32_t *rank_prefix;     /* [R][R] rank_prefix_matrix */
     epx__cuda_xn_routing_t xn; /* internode mode; NULL arrays on one node */
 } epx__cuda_handle_state_t;
 

@@ -51,7 +51,11 @@ static epx_status_t state_create(epx__cuda_buffer_t *cuda, epx__cuda_handle_stat
     state->recv_count = (int32_t *)((char *)state->slot + send_bytes);
     state->recv_per_expert = (int32_t *)((char *)state->slot + send_bytes + 256);
     int64_t expert_bytes = ((int64_t)cuda->shape.num_local_experts * 4 + 255) / 256 * 256;
-    epx__cuda_xn_routing(&cuda->shape, state->slot, send_bytes + 256 + expert_bytes, &state->xn);
+    int64_t prefix_bytes = ((int64_t)cuda->shape.world_size * cuda->shape.world_size * 4 + 255) /
+                           256 * 256;
+    state->rank_prefix = (int32_t *)((char *)state->slot + send_bytes + 256 + expert_bytes);
+    epx__cuda_xn_routing(&cuda->shape, state->slot,
+                         send_bytes + 256 + expert_bytes + prefix_bytes, &state->xn);
     *out = state;
     return EPX_SUCCESS;
 }
@@ -92,10 +96,17 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
 
     epx__cuda_notify_args_t n;
     memset(&n, 0, sizeof(n));
-    if (fresh) {
+    int has_idx = fresh && epx__tensor_given(&args->topk_idx);
+    if (has_idx) {
         n.topk_idx = args->topk_idx.data;
         n.topk_stride = epx__tensor_row_stride(&args->topk_idx);
+    } else if (fresh) {
+        /* Routed by the layout (entry point: both given, checked). */
+        n.is_token_in_rank = args->is_token_in_rank.data;
+        n.in_rank_stride = epx__tensor_row_stride(&args->is_token_in_rank);
+        n.num_tokens_per_expert = args->num_tokens_per_expert.data;
     }
+    n.rank_prefix = state->rank_prefix;
     n.num_tokens = tokens;
     n.send_row = state->send_row;
     n.recv_count = state->recv_count;
@@ -119,7 +130,7 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
         d.scales = args->x_scales.data;
         d.scales_stride = epx__tensor_row_stride(&args->x_scales);
     }
-    if (fresh) {
+    if (has_idx) {
         d.topk_idx = args->topk_idx.data;
         d.topk_stride = epx__tensor_row_stride(&args->topk_idx);
         if (epx__tensor_given(&args->topk_weights)) {
@@ -152,7 +163,7 @@ static epx_status_t fill_outputs(epx_buffer_t buffer, const epx_dispatch_args_t 
     if (args->x.dtype == EPX_DTYPE_FP8_E4M3)
         EPX_CHECK(output(cuda, &args->recv_x_scales, s->off_scales, EPX_DTYPE_FP32, rows,
                          hidden / EPX__FP8_BLOCK, count, stream, &result->recv_x_scales));
-    if (args->handle == NULL) {
+    if (args->handle == NULL && epx__tensor_given(&args->topk_idx)) {
         EPX_CHECK(output(cuda, &args->recv_topk_idx, s->off_topk_idx, EPX_DTYPE_INT64, rows, k,
                          count, stream, &result->recv_topk_idx));
         if (epx__tensor_given(&args->topk_weights))
@@ -216,6 +227,10 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
     int worst_case = (args->flags & EPX_DISPATCH_WORST_CASE) != 0;
     struct epx_handle *cached = args->handle;
     int fresh = cached == NULL;
+    if (fresh && !epx__tensor_given(&args->topk_idx) && cuda->xn != NULL)
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "dispatch: routing by is_token_in_rank (without topk_idx) is not "
+                         "supported across nodes yet; pass topk_idx");
 
     epx__cuda_handle_state_t *state = NULL;
     if (fresh)
@@ -262,6 +277,10 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
     if (fresh) {
         handle->backend_state = state;
         handle->backend_free = handle_free_state;
+        /* Across nodes the count exchange (nvshmem/xn_notify.cu) does not write it: the
+         * host makes it from the handle's counts. */
+        if (cuda->xn == NULL)
+            handle->rank_prefix_device = state->rank_prefix;
         handle->expert_alignment = args->expert_alignment;
     }
 

@@ -245,7 +245,9 @@ EPX_CUDA_HOST_DEVICE epx__cuda_xn_record_t epx__cuda_xn_record(int64_t row_bytes
 /* ---------------------------------------------------------------- count exchange */
 
 typedef struct {
-    const int64_t *topk_idx; /* NULL in cached mode: only the entry signal is exchanged */
+    /* Fresh mode routes by topk_idx, or by is_token_in_rank (with the caller's
+     * num_tokens_per_expert); both NULL in cached mode: only the entry signal is exchanged. */
+    const int64_t *topk_idx;
     int64_t topk_stride;
     int64_t num_tokens;
     int32_t *send_row;        /* [T][R]: out, each token's ordinal at each rank or -1 */
@@ -256,6 +258,10 @@ typedef struct {
     uint64_t ticket;          /* nonzero: publish results to mapped memory, then ticket */
     /* Internode mode (handle state, see epx__cuda_xn_routing_t) */
     epx__cuda_xn_routing_t xn;
+    const uint8_t *is_token_in_rank;      /* [T][R] bytes, nonzero = send */
+    int64_t in_rank_stride;               /* elements between rows */
+    const int32_t *num_tokens_per_expert; /* [E]: this rank's counts, with is_token_in_rank */
+    int32_t *rank_prefix;     /* handle: [R][R] rank_prefix_matrix (written in fresh mode) */
 } epx__cuda_notify_args_t;
 
 cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,

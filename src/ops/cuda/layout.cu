@@ -6,7 +6,9 @@
  * one atomic per counter; is_token_in_rank is written per token. Purely local.
  *
  * epx_notify_kernel (first kernel of every dispatch): one block of 1024 threads.
- *   1. Fresh mode: for each token the set of destination ranks and its ordinal among
+ *   1. Fresh mode: for each token the set of destination ranks (from topk_idx, or the
+ *      caller's is_token_in_rank bits, whose per-expert counts then come from the
+ *      caller's num_tokens_per_expert instead of being counted) and its ordinal among
  *      this rank's tokens to each destination (a block-wide scan, 1024 tokens a round,
  *      warp ballots + per-warp totals), written to the handle's send_row; counts per
  *      rank and per expert. Expert ids out of range are recorded, never followed.
@@ -17,7 +19,8 @@
  *      operation" signal: no peer writes into this rank's receive region before it.
  *   3. Waits (acquire, with timeout) for every peer's flag, then derives where its
  *      tokens land at each receiver (sum of lower ranks' counts), how many rows it
- *      receives and per local expert (rounded up to the alignment), and, when the host
+ *      receives and per local expert (rounded up to the alignment), the handle's
+ *      rank_prefix_matrix (prefix sums of the count rows over sources), and, when the host
  *      waits, publishes them to host-mapped memory followed by the host's ticket.
  * Buffer use: the count rows are double-buffered by sequence parity (2 * R * (R + L)
  * int32 per rank); shared memory is E + 33 * 64 int32.
@@ -67,7 +70,7 @@ __device__ void epx_notify_send(const epx__cuda_shape_t &s, const epx__cuda_noti
     for (int r = epx_warp(); r < R; r += (int)(blockDim.x >> 5)) {
         char *peer = epx_peer(s, r);
         epx__cuda_slot_t *slot = epx_slot(s, r, me);
-        if (a.topk_idx != NULL) {
+        if (a.topk_idx != NULL || a.is_token_in_rank != NULL) {
             int32_t *row = reinterpret_cast<int32_t *>(peer + s.off_rank_counts) +
                            ((int64_t)parity * R + me) * R;
             int32_t *experts = reinterpret_cast<int32_t *>(peer + s.off_expert_counts) +
@@ -117,6 +120,14 @@ __device__ void epx_notify_finish(const epx__cuda_shape_t &s, const epx__cuda_no
     if (a.ticket != 0)
         for (int i = threadIdx.x; i < R * R; i += blockDim.x)
             s.mapped_rank_counts[i] = matrix[i];
+    /* DeepEP's rank_prefix_matrix for the handle: [s][r] = tokens ranks 0..s sent to r. */
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int32_t sum = 0;
+        for (int src = 0; src < R; src++) {
+            sum += matrix[src * R + r];
+            a.rank_prefix[src * R + r] = sum;
+        }
+    }
     if (threadIdx.x == 0) {
         int32_t total = 0;
         for (int src = 0; src < R; src++)
@@ -147,7 +158,13 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     for (int r = threadIdx.x; r < EPX_CUDA_MAX_RANKS; r += blockDim.x)
         running[r] = 0;
     __syncthreads();
-    if (a.topk_idx != NULL) {
+    const int fresh = a.topk_idx != NULL || a.is_token_in_rank != NULL;
+    if (a.topk_idx == NULL && a.is_token_in_rank != NULL) {
+        for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
+            expert_counts[i] = a.num_tokens_per_expert[i];
+        __syncthreads();
+    }
+    if (fresh) {
         int bad = 0;
         epx_notify_scan(s, a, expert_counts, warp_totals, running, &bad);
         if (bad)
@@ -169,7 +186,7 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     if (epx_failed(s))
         return;
 
-    if (a.topk_idx != NULL) {
+    if (fresh) {
         epx_notify_finish(s, a, seq);
     } else if (a.ticket != 0) {
         /* Cached mode: the counts are the handle's; copy them for the host. */

@@ -1,7 +1,8 @@
 /*
  * The first step of every dispatch, shared by the single-node count exchange
  * (layout.cu) and the internode one (nvshmem/xn_notify.cu): each token's destination
- * ranks from its top-k ids, and its ordinal among this rank's tokens to each one.
+ * ranks from its top-k ids (or the caller's is_token_in_rank bits), and its ordinal among
+ * this rank's tokens to each one.
  */
 #ifndef EPX_OPS_CUDA_NOTIFY_CUH
 #define EPX_OPS_CUDA_NOTIFY_CUH
@@ -79,9 +80,15 @@ static __device__ void epx_notify_scan(const epx__cuda_shape_t &s, const epx__cu
     for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
         int64_t t = first + threadIdx.x;
         uint64_t mask = 0;
-        if (t < a.num_tokens)
+        if (t < a.num_tokens && a.topk_idx != NULL) {
             mask = epx_token_mask(s, a.topk_idx + t * a.topk_stride, t, expert_counts,
                                   EPX_CUDA_STAGE_NOTIFY, bad);
+        } else if (t < a.num_tokens) {
+            /* Routed by the layout: the caller's bits (the counts were loaded before). */
+            const uint8_t *bits = a.is_token_in_rank + t * a.in_rank_stride;
+            for (int r = 0; r < R; r++)
+                mask |= (uint64_t)(bits[r] != 0) << r;
+        }
         epx_scan_round(mask, R, t < a.num_tokens ? a.send_row + t * R : NULL, warp_totals,
                        running);
     }

@@ -1,7 +1,8 @@
 /*
  * Normal-mode dispatch on the host backend (docs/DESIGN.md section 2).
  *
- * 1. Route: which ranks get each token; send counts per rank and per expert go into
+ * 1. Route: which ranks get each token (from topk_idx, or the caller's is_token_in_rank
+ *    and num_tokens_per_expert); send counts per rank and per expert go into
  *    this rank's call area (fresh mode), or come from the handle (cached mode).
  * 2. Barrier "counts": every rank has entered the call and published its counts, and
  *    every rank is done with the results of its previous dispatch, so they may be
@@ -58,6 +59,17 @@ static epx_status_t epx__dispatch_route(epx__host_buffer_t *host, epx_buffer_t b
     int32_t *expert_counts = epx__host_region(host, plan->rank, host->layout.count_expert);
     memset(rank_counts, 0, (size_t)world * sizeof(int32_t));
     memset(expert_counts, 0, (size_t)buffer->config.num_experts * sizeof(int32_t));
+    if (!plan->has_idx) {
+        /* Routed by the layout: the caller's bits and per-expert counts, as given. */
+        const uint8_t *in_rank = args->is_token_in_rank.data;
+        int64_t in_stride = epx__tensor_row_stride(&args->is_token_in_rank);
+        memcpy(expert_counts, args->num_tokens_per_expert.data,
+               (size_t)buffer->config.num_experts * sizeof(int32_t));
+        for (int64_t t = 0; t < plan->tokens; t++)
+            for (int r = 0; r < world; r++)
+                host->route[t * world + r] = in_rank[t * in_stride + r] ? rank_counts[r]++ : -1;
+        return EPX_SUCCESS;
+    }
     const int64_t *idx = args->topk_idx.data;
     int64_t stride = epx__tensor_row_stride(&args->topk_idx);
     for (int64_t t = 0; t < plan->tokens; t++) {
