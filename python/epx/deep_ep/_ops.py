@@ -1,0 +1,117 @@
+"""The few tensor operations epx.deep_ep does itself, for NumPy arrays and torch tensors.
+
+Everything here is small next to a dispatch: making column-major fp8 scales row-major,
+the layout of a group that has no normal-mode buffer yet, the top-k padding of a
+worst-case dispatch, adding the low-latency receive counts into the caller's statistics,
+and adding combine's bias. docs/PYTHON.md ("DeepEP drop-in") lists them as known costs.
+Other frameworks raise NotImplementedError naming the operation.
+"""
+
+import importlib
+
+from .. import _frameworks
+
+
+def _kind(tensor, what):
+    name = _frameworks.of(tensor).name
+    if name not in ("numpy", "torch"):
+        raise NotImplementedError("epx.deep_ep: %s is implemented for NumPy arrays and torch "
+                                  "tensors, not %s" % (what, name))
+    return name
+
+
+def row_major(tensor):
+    """The tensor itself when its rows are contiguous, else a row-major copy."""
+    if tensor is None:
+        return None
+    if _kind(tensor, "a non-row-major x_scales") == "torch":
+        return tensor if tensor.dim() < 2 or tensor.stride(-1) == 1 else tensor.contiguous()
+    np = importlib.import_module("numpy")
+    return tensor if tensor.ndim < 2 or tensor.strides[-1] == tensor.itemsize \
+        else np.ascontiguousarray(tensor)
+
+
+def layout(topk_idx, num_experts, num_ranks):
+    """get_dispatch_layout computed with the framework (no epx buffer exists yet):
+    (num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool
+    [T, R]). A token counts once per distinct rank; per expert, once per entry. Ids
+    outside [0, num_experts) count nowhere."""
+    local = num_experts // num_ranks
+    if _kind(topk_idx, "get_dispatch_layout before the first dispatch") == "torch":
+        torch = importlib.import_module("torch")
+        valid = (topk_idx >= 0) & (topk_idx < num_experts)
+        rank = torch.where(valid, topk_idx // local, torch.full_like(topk_idx, num_ranks))
+        in_rank = torch.zeros((topk_idx.shape[0], num_ranks + 1), dtype=torch.bool,
+                              device=topk_idx.device)
+        in_rank.scatter_(1, rank, True)
+        in_rank = in_rank[:, :num_ranks].contiguous()
+        expert = torch.where(valid, topk_idx, torch.full_like(topk_idx, num_experts))
+        per_expert = torch.zeros(num_experts + 1, dtype=torch.int32, device=topk_idx.device)
+        per_expert.scatter_add_(0, expert.reshape(-1),
+                                torch.ones(expert.numel(), dtype=torch.int32,
+                                           device=topk_idx.device))
+        return in_rank.sum(dim=0, dtype=torch.int32), per_expert[:num_experts].contiguous(), \
+            in_rank
+    np = importlib.import_module("numpy")
+    idx = np.asarray(topk_idx)
+    valid = (idx >= 0) & (idx < num_experts)
+    in_rank = np.zeros((idx.shape[0], num_ranks), dtype=bool)
+    rows, cols = np.nonzero(valid)
+    in_rank[rows, idx[rows, cols] // local] = True
+    per_expert = np.bincount(idx[valid], minlength=num_experts).astype(np.int32)
+    return in_rank.sum(axis=0).astype(np.int32), per_expert, in_rank
+
+
+def take_rows(view, rows, framework):
+    """A new tensor of `rows` rows owning the first rows of `view` (the rest uninitialised
+    when the view is shorter)."""
+    if view is None:
+        return None
+    have = min(int(view.shape[0]), rows)
+    if framework.name == "torch":
+        out = view.new_empty((rows,) + tuple(view.shape[1:]))
+    else:
+        np = importlib.import_module("numpy")
+        out = np.empty((rows,) + tuple(view.shape[1:]), dtype=view.dtype)
+    out[:have] = view[:have]
+    return out
+
+
+def pad_rows(tensor, count, count_device, value):
+    """Rows from `count` on become `value`. When only the device knows the count
+    (`count` < 0), `count_device` is an int32 [1] torch tensor holding it."""
+    if tensor is None:
+        return
+    if count >= 0:
+        tensor[count:] = value
+        return
+    torch = importlib.import_module("torch")
+    rows = torch.arange(tensor.shape[0], device=tensor.device)
+    tensor.masked_fill_((rows >= count_device.to(rows.dtype)).unsqueeze(1), value)
+
+
+def add_(total, counts):
+    """total += counts (the caller's cumulative_local_expert_recv_stats)."""
+    if _kind(total, "cumulative_local_expert_recv_stats") == "torch":
+        total.add_(counts.to(total.dtype))
+    else:
+        total += counts.astype(total.dtype)
+
+
+def add_bias(out, bias):
+    """out (bf16) += bias_0 (+ bias_1), in fp32, rounded once."""
+    parts = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
+    if not parts:
+        return out
+    if _kind(out, "combine bias") == "torch":
+        total = out.float()
+        for b in parts:
+            total += b.float()
+        out.copy_(total)
+        return out
+    np = importlib.import_module("numpy")
+    total = out.astype(np.float32)
+    for b in parts:
+        total += np.asarray(b).astype(np.float32)
+    out[...] = total.astype(out.dtype)
+    return out

@@ -1,0 +1,124 @@
+"""The low-latency methods of deep_ep.Buffer, over an epx buffer made from the first call.
+
+The epx buffer is made (collectively) by the first low_latency_dispatch, for its
+(num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk), and made again when a
+dispatch brings another shape; handles of the old one are then refused. Everything else
+is epx.Buffer's low-latency mode (python/epx/low_latency.py, docs/LOW_LATENCY.md).
+"""
+
+from ..buffer import Buffer as _EpxBuffer
+from ..errors import EpxError, Status, invalid_argument
+from ..low_latency import LowLatencyHandle
+from . import _ops
+
+
+class LowLatencyMethods:
+    """Mixed into deep_ep.Buffer (buffer.py), which calls _init_low_latency()."""
+
+    def _init_low_latency(self):
+        self._ll = None          # epx.Buffer with low-latency memory
+        self._ll_shape = None    # (M, hidden, num_experts, num_topk)
+        self._ll_masked = set()  # ranks masked before the epx buffer existed
+
+    def _low_latency_buffer(self, m, hidden, num_experts, num_topk):
+        if not self.low_latency_mode:
+            raise EpxError(Status.ERR_INVALID_STATE,
+                           "low_latency_dispatch: the buffer was made with "
+                           "low_latency_mode=False")
+        shape = (m, hidden, num_experts, num_topk)
+        if self._ll_shape == shape:
+            return self._ll
+        if self._ll is not None:
+            self._ll_masked.update(self._ll.get_masked_ranks())
+            self._ll.destroy()
+            self._ll = self._ll_shape = None
+        self._ll = _EpxBuffer(self._group(), low_latency_mode=True,
+                              num_max_dispatch_tokens_per_rank=m, hidden=hidden,
+                              num_experts=num_experts, num_topk=num_topk)
+        self._ll_shape = shape
+        for rank in sorted(self._ll_masked):
+            self._ll.mask_rank(rank)
+        return self._ll
+
+    def _ll_buffer_of(self, handle, op):
+        if not isinstance(handle, LowLatencyHandle):
+            raise invalid_argument("%s: handle must be the handle of this buffer's "
+                                   "low_latency_dispatch, not %s" % (op, type(handle).__name__))
+        if self._ll is None or handle._buffer is not self._ll:
+            raise invalid_argument("%s: the handle's buffer was replaced (a dispatch of another "
+                                   "shape made a new one) or belongs to another deep_ep.Buffer"
+                                   % op)
+        return self._ll
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None, use_fp8=True, round_scale=False,
+                             use_ue8m0=False, async_finish=False, return_recv_hook=False):
+        """DeepEP's low_latency_dispatch: (recv_x or (recv_x, scales), recv_count, handle,
+        event, hook). cumulative_local_expert_recv_stats ([L] int32) gets recv_count added
+        (after hook() with return_recv_hook)."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("low_latency_dispatch: dispatch_wait_recv_cost_stats is not "
+                                      "supported by epx (receive wait times are not measured)")
+        buffer = self._low_latency_buffer(int(num_max_dispatch_tokens_per_rank), int(x.shape[1]),
+                                          int(num_experts), int(topk_idx.shape[1]))
+        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, None, None, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook)
+        stats = cumulative_local_expert_recv_stats
+        if stats is not None:
+            if hook is None:
+                _ops.add_(stats, recv_count)
+            else:
+                receive = hook
+
+                def hook():
+                    receive()
+                    _ops.add_(stats, recv_count)
+        return recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
+                            zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        """DeepEP's low_latency_combine: (combined_x, event, hook)."""
+        buffer = self._ll_buffer_of(handle, "low_latency_combine")
+        return buffer.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+                                          zero_copy, async_finish, return_recv_hook, out,
+                                          combine_wait_recv_cost_stats)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """bf16 [L, M * R, hidden] memory to write the expert outputs into, then
+        low_latency_combine(..., zero_copy=True)."""
+        buffer = self._ll_buffer_of(handle, "get_next_low_latency_combine_buffer")
+        return buffer.get_next_low_latency_combine_buffer(handle)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Forget the low-latency steps (their handles become invalid). Nothing needs zeroing
+        in epx (arrival flags carry sequence numbers); local."""
+        if self._ll is not None:
+            self._ll.clean_low_latency_buffer()
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """mask=True: leave rank_to_mask out of later low-latency calls. Unmasking is not
+        supported (NotImplementedError)."""
+        if not mask:
+            raise NotImplementedError("low_latency_update_mask_buffer: epx masks are not undone "
+                                      "(mask=False is not supported)")
+        rank = int(rank_to_mask)
+        if not 0 <= rank < self.group_size or rank == self.rank:
+            raise invalid_argument("low_latency_update_mask_buffer: rank %d is not a peer of "
+                                   "rank %d in 0..%d" % (rank, self.rank, self.group_size - 1))
+        self._ll_masked.add(rank)
+        if self._ll is not None:
+            self._ll.mask_rank(rank)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Write 1 for each masked rank, 0 for the others, into mask_status ([R] int32)."""
+        masked = set(self._ll_masked)
+        if self._ll is not None:
+            masked.update(self._ll.get_masked_ranks())
+        for rank in range(self.group_size):
+            mask_status[rank] = 1 if rank in masked else 0
+
+    def low_latency_clean_mask_buffer(self):
+        raise NotImplementedError("low_latency_clean_mask_buffer: epx masks are not undone")
