@@ -30,6 +30,7 @@ foreach(ranks 1 2 4)
            COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks} -- -q
                    ${EPX_PY_TESTS}/test_buffer.py ${EPX_PY_TESTS}/test_bad_input.py
                    ${EPX_PY_TESTS}/test_group.py ${EPX_PY_TESTS}/test_low_latency.py
+                   ${EPX_PY_TESTS}/test_deep_ep.py
            WORKING_DIRECTORY ${EPX_PY_ROOT})
   set_tests_properties(python.multirank.n${ranks} PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
                        LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")

@@ -43,7 +43,7 @@ for n in ${RANKS:-1 2 4}; do
     echo "== multi-rank tests, $n ranks, CUDA backend"
     "$build/epx" launch --mps -n "$n" -- "$py" -m pytest -p no:cacheprovider -q \
         "$tests/test_buffer.py" "$tests/test_bad_input.py" "$tests/test_group.py" \
-        "$tests/test_low_latency.py" || status=1
+        "$tests/test_low_latency.py" "$tests/test_deep_ep.py" || status=1
 done
 for n in ${EXAMPLE_RANKS:-2 4}; do
     echo "== examples/moe_layer.py, $n ranks, torch on the CUDA backend"
