@@ -25,8 +25,7 @@
 /* Expert rows a combine receive lane loads before it sums them. */
 #define EPX_LL_BATCH 8
 
-__global__ void __launch_bounds__(EPX_LL_THREADS)
-    epx_ll_combine_send_kernel(epx_ll_shape_t s, epx_ll_op_t op)
+static __device__ __forceinline__ void epx_ll_combine_send(epx_ll_shape_t s, epx_ll_op_t op)
 {
     extern __shared__ int32_t smem[];
     int32_t *ok = smem;                   /* [R] */
@@ -143,8 +142,7 @@ __device__ __forceinline__ void epx_ll_entry(const epx_ll_shape_t &s, const epx_
     *row = peer + s.combine_in + ((size_t)local * s.rows + (range >> 32) + pos) * row_bytes;
 }
 
-__global__ void __launch_bounds__(EPX_LL_THREADS)
-    epx_ll_combine_recv_kernel(epx_ll_shape_t s, epx_ll_op_t op)
+static __device__ __forceinline__ void epx_ll_combine_recv(epx_ll_shape_t s, epx_ll_op_t op)
 {
     extern __shared__ int32_t ok[]; /* [R] */
     __shared__ int last;
@@ -222,11 +220,28 @@ __global__ void __launch_bounds__(EPX_LL_THREADS)
             epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
 }
 
+/*
+ * The one kernel of a low-latency combine, for its send and its receive phase alike, so that
+ * a profiler lists one "combine" kernel, as for DeepEP (whose tests time its kernels by
+ * name): the phases are the two launches of it.
+ */
+namespace epx {
+namespace ll {
+__global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_ll_op_t op, int phase)
+{
+    if (phase == EPX_LL_PHASE_SEND)
+        epx_ll_combine_send(s, op);
+    else
+        epx_ll_combine_recv(s, op);
+}
+} // namespace ll
+} // namespace epx
+
 extern "C" int epx_ll_launch_combine_send(const epx_ll_shape_t *s, const epx_ll_op_t *op,
                                           void *stream)
 {
     size_t smem = ((size_t)s->world + (size_t)s->num_local + 1) * sizeof(int32_t);
-    epx_ll_combine_send_kernel<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op);
+    epx::ll::combine<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, EPX_LL_PHASE_SEND);
     return (int)cudaGetLastError();
 }
 
@@ -234,6 +249,6 @@ extern "C" int epx_ll_launch_combine_recv(const epx_ll_shape_t *s, const epx_ll_
                                           void *stream)
 {
     size_t smem = (size_t)s->world * sizeof(int32_t);
-    epx_ll_combine_recv_kernel<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op);
+    epx::ll::combine<<<s->blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, EPX_LL_PHASE_RECV);
     return (int)cudaGetLastError();
 }

@@ -26,6 +26,9 @@
 #define EPX_LL_THREADS 512
 #endif
 #define EPX_LL_WARPS (EPX_LL_THREADS / 32)
+/* The phase argument of the epx::ll::dispatch and epx::ll::combine kernels. */
+#define EPX_LL_PHASE_SEND 0
+#define EPX_LL_PHASE_RECV 1
 
 /* Index of the arrival counters (shape.arrive[slot * 4 + which]). */
 enum { EPX_LL_ARRIVE_DISPATCH_SEND = 0, EPX_LL_ARRIVE_DISPATCH_RECV = 1,
