@@ -290,7 +290,7 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
 typedef struct {
     size_t size;
     epx_tensor_t x;            /* [tokens, hidden] bf16, or fp8 e4m3 */
-    epx_tensor_t x_scales;     /* [tokens, hidden/128] fp32 when x is fp8 */
+    epx_tensor_t x_scales;     /* [tokens, hidden/128] fp32 when x is fp8; row or column major */
     epx_tensor_t topk_idx;     /* [tokens, num_topk] int64; not needed in cached mode */
     epx_tensor_t topk_weights; /* [tokens, num_topk] fp32, optional */
     epx_handle_t handle;       /* non-NULL: cached mode, reuse this routing */

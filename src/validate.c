@@ -165,6 +165,26 @@ static epx_status_t check_dispatch_output(const char *name, const epx_tensor_t *
     return EPX_SUCCESS;
 }
 
+/*
+ * x_scales may be row major or column major ([tokens, S] with strides [1, >= tokens], as
+ * DeepEP's callers pass x_scales.T.contiguous().T). A column-major one is checked as its
+ * transpose, which is row major, once its shape is known to be right.
+ */
+static epx_status_t check_scales(const char *op, const epx_tensor_t *scales, int64_t rows,
+                                 int64_t cols)
+{
+    if (epx__tensor_given(scales) && scales->ndim == 2 && scales->shape[0] == rows &&
+        scales->shape[1] == cols && scales->strides[0] == 1 && scales->strides[1] > 1) {
+        epx_tensor_t transposed = *scales;
+        transposed.shape[0] = cols;
+        transposed.shape[1] = rows;
+        transposed.strides[0] = scales->strides[1];
+        transposed.strides[1] = 1;
+        return epx__check_tensor(op, "x_scales", &transposed, EPX_DTYPE_FP32, 2, cols, rows);
+    }
+    return epx__check_tensor(op, "x_scales", scales, EPX_DTYPE_FP32, 2, rows, cols);
+}
+
 epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                                     const epx_dispatch_result_t *result)
 {
@@ -207,8 +227,7 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
             return EPX_ERROR(EPX_ERR_INVALID_ARG,
                              "%s: fp8 x needs hidden to be a multiple of 128, the buffer has %lld",
                              op, (long long)config->hidden);
-        EPX_CHECK(epx__check_tensor(op, "x_scales", &args->x_scales, EPX_DTYPE_FP32, 2, tokens,
-                                    config->hidden / EPX__FP8_BLOCK));
+        EPX_CHECK(check_scales(op, &args->x_scales, tokens, config->hidden / EPX__FP8_BLOCK));
     } else if (epx__tensor_given(&args->x_scales)) {
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: x_scales given but x is bf16", op);
     }

@@ -108,6 +108,11 @@ int64_t epx__tensor_row_stride(const epx_tensor_t *tensor)
     }
 }
 
+int64_t epx__tensor_col_stride(const epx_tensor_t *tensor)
+{
+    return tensor->ndim >= 2 && tensor->strides[1] != 0 ? tensor->strides[1] : 1;
+}
+
 /* "[4, 7168]" from a tensor's own shape. */
 static void epx__format_shape(char *out, size_t size, const epx_tensor_t *tensor)
 {

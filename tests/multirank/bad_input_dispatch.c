@@ -41,6 +41,12 @@ static void scales_for_bf16(bi_fixture_t *f)
 {
     f->args.x_scales = epx_tensor_2d(f->scales, EPX_DTYPE_FP32, BI_TOKENS, BI_HIDDEN / 128);
 }
+static void scales_column_overlap(bi_fixture_t *f)
+{
+    /* Column major, but columns closer than the column length: they would overlap. */
+    f->args.x_scales.strides[0] = 1;
+    f->args.x_scales.strides[1] = BI_TOKENS - 1;
+}
 static void idx_dtype(bi_fixture_t *f) { f->args.topk_idx.dtype = EPX_DTYPE_INT32; }
 static void idx_cols(bi_fixture_t *f) { f->args.topk_idx.shape[1] = BI_TOPK + 1; }
 static void idx_rows(bi_fixture_t *f) { f->args.topk_idx.shape[0] = BI_TOKENS - 1; }
@@ -176,6 +182,8 @@ static const dispatch_case_t dispatch_cases[] = {
      "x_scales"},
     {"dispatch: x_scales dtype bf16", FP8, BI_TOKENS, CALL_PLAIN, scales_dtype, INVALID,
      "x_scales"},
+    {"dispatch: column-major x_scales overlapping", FP8, BI_TOKENS, CALL_PLAIN,
+     scales_column_overlap, INVALID, "x_scales"},
     {"dispatch: x_scales with bf16 x", BF16, BI_TOKENS, CALL_PLAIN, scales_for_bf16, INVALID,
      "x_scales"},
     {"dispatch: topk_idx dtype int32", BF16, BI_TOKENS, CALL_PLAIN, idx_dtype, INVALID,

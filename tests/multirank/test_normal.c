@@ -494,6 +494,30 @@ static void dispatch_by_layout(const nt_ctx_t *ctx, epx_buffer_t buffer, const i
     mr_mem_free(per_expert);
 }
 
+/* fp8 x with column-major x_scales ([tokens, S], strides [1, tokens]): the same results. */
+static void dispatch_column_major_scales(const nt_ctx_t *ctx, epx_buffer_t buffer,
+                                         const inputs_t *in)
+{
+    const moe_case_t *c = ctx->c;
+    int64_t n = in->host.num_tokens, cols = c->hidden / 128;
+    float *transposed = calloc((size_t)(n * cols) + 1, sizeof(float));
+    CHECK(transposed != NULL);
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < cols; i++)
+            transposed[i * n + t] = in->host.x_scales[t * cols + i];
+    void *scales = mr_mem_from_host(transposed, (size_t)(n * cols + 1) * sizeof(float));
+    epx_dispatch_args_t args = dispatch_args(c, in);
+    args.x_scales = epx_tensor_2d(scales, EPX_DTYPE_FP32, n, cols);
+    args.x_scales.strides[0] = 1;
+    args.x_scales.strides[1] = n > 1 ? n : 2;
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    check_dispatch(ctx, "fresh dispatch, column-major x_scales", &res, 1);
+    CHECK_OK(epx_handle_destroy(res.handle));
+    mr_mem_free(scales);
+    free(transposed);
+}
+
 /* ---------------------------------------------------------------- one case */
 
 /* The first round: every way of calling dispatch and combine, on buffer `buffer`. */
@@ -522,6 +546,8 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
     combine_check(ctx, buffer, views, 1, "combine after cached dispatch");
     check_rank_prefix(ctx, views, "after a cached dispatch");
     dispatch_by_layout(ctx, buffer, in);
+    if (c->dtype == EPX_DTYPE_FP8_E4M3)
+        dispatch_column_major_scales(ctx, buffer, in);
 
     epx_handle_t worst_handle =
         dispatch_fresh_outputs(ctx, buffer, in, max_tokens * c->world_size,

@@ -1,7 +1,7 @@
 """The few tensor operations epx.deep_ep does itself, for NumPy arrays and torch tensors.
 
-Everything here is small next to a dispatch: making column-major fp8 scales row-major,
-the layout of a group that has no normal-mode buffer yet, the top-k padding of a
+Everything here is small next to a dispatch: the layout of a group that has no
+normal-mode buffer yet, the top-k padding of a
 worst-case dispatch, adding the low-latency receive counts into the caller's statistics,
 and adding combine's bias. docs/PYTHON.md ("DeepEP drop-in") lists them as known costs.
 Other frameworks raise NotImplementedError naming the operation.
@@ -18,17 +18,6 @@ def _kind(tensor, what):
         raise NotImplementedError("epx.deep_ep: %s is implemented for NumPy arrays and torch "
                                   "tensors, not %s" % (what, name))
     return name
-
-
-def row_major(tensor):
-    """The tensor itself when its rows are contiguous, else a row-major copy."""
-    if tensor is None:
-        return None
-    if _kind(tensor, "a non-row-major x_scales") == "torch":
-        return tensor if tensor.dim() < 2 or tensor.stride(-1) == 1 else tensor.contiguous()
-    np = importlib.import_module("numpy")
-    return tensor if tensor.ndim < 2 or tensor.strides[-1] == tensor.itemsize \
-        else np.ascontiguousarray(tensor)
 
 
 def layout(topk_idx, num_experts, num_ranks):

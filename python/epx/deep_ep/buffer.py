@@ -283,8 +283,6 @@ class Buffer(LowLatencyMethods):
         the GPU.
         """
         x_main, x_scales = x if isinstance(x, tuple) else (x, None)
-        x_scales = _ops.row_major(x_scales)
-        x = (x_main, x_scales) if x_scales is not None else x_main
         if handle is not None:
             epx_handle = self._epx_handle(handle, "dispatch")
             if topk_idx is not None or topk_weights is not None:

@@ -129,6 +129,7 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
         d.num_scales = (int)(buffer->config.hidden / EPX__FP8_BLOCK);
         d.scales = args->x_scales.data;
         d.scales_stride = epx__tensor_row_stride(&args->x_scales);
+        d.scales_col_stride = epx__tensor_col_stride(&args->x_scales);
     }
     if (has_idx) {
         d.topk_idx = args->topk_idx.data;

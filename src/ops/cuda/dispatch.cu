@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         }
 
         for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = a.scales[t * a.scales_stride + i];
+            float scale = a.scales[t * a.scales_stride + i * a.scales_col_stride];
             for (int j = 0; j < n; j++) {
                 float *dst = reinterpret_cast<float *>(peers[dest_rank[warp][j]] + s.off_scales);
                 dst[(int64_t)dest_row[warp][j] * a.num_scales + i] = scale;

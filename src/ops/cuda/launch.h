@@ -277,7 +277,7 @@ typedef struct {
     int x_align;       /* largest of 16, 8, 4, 2, 1 dividing x and x_stride */
     int num_scales;    /* hidden / 128 when fp8, else 0 */
     const float *scales;
-    int64_t scales_stride; /* elements */
+    int64_t scales_stride; /* elements between rows */
     const int64_t *topk_idx; /* NULL: no top-k outputs */
     int64_t topk_stride;
     const float *topk_weights; /* NULL: no weights output */
@@ -287,6 +287,7 @@ typedef struct {
     int fresh;
     int num_blocks;
     epx__cuda_xn_routing_t xn; /* internode mode */
+    int64_t scales_col_stride; /* elements between columns (column-major x_scales) */
 } epx__cuda_dispatch_args_t;
 
 cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,

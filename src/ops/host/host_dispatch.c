@@ -180,6 +180,7 @@ static void epx__dispatch_send(epx__host_buffer_t *host, const epx_dispatch_args
     size_t element = epx_dtype_size(plan->dtype);
     int64_t x_stride = epx__tensor_row_stride(&args->x);
     int64_t scale_stride = plan->scale_cols ? epx__tensor_row_stride(&args->x_scales) : 0;
+    int64_t scale_col_stride = plan->scale_cols ? epx__tensor_col_stride(&args->x_scales) : 1;
     int64_t idx_stride = plan->has_idx ? epx__tensor_row_stride(&args->topk_idx) : 0;
     int64_t weight_stride = plan->has_weights ? epx__tensor_row_stride(&args->topk_weights) : 0;
     for (int64_t t = 0; t < plan->tokens; t++) {
@@ -190,10 +191,13 @@ static void epx__dispatch_send(epx__host_buffer_t *host, const epx_dispatch_args
                 continue;
             memcpy((char *)epx__host_region(host, r, l->recv_x) + (size_t)row * plan->row_bytes, x,
                    plan->row_bytes);
-            if (plan->scale_cols)
-                memcpy((float *)epx__host_region(host, r, l->recv_scales) + row * plan->scale_cols,
-                       (const float *)args->x_scales.data + t * scale_stride,
-                       (size_t)plan->scale_cols * sizeof(float));
+            if (plan->scale_cols) {
+                float *out = (float *)epx__host_region(host, r, l->recv_scales) +
+                             row * plan->scale_cols;
+                const float *in = (const float *)args->x_scales.data + t * scale_stride;
+                for (int64_t i = 0; i < plan->scale_cols; i++)
+                    out[i] = in[i * scale_col_stride];
+            }
             int64_t *idx_out = (int64_t *)epx__host_region(host, r, l->recv_idx) + row * k;
             float *weights_out = (float *)epx__host_region(host, r, l->recv_weights) + row * k;
             const int64_t *idx =

@@ -256,7 +256,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         epx_xn_copy_row<kUnroll>(static_cast<const char *>(a.x) + t * a.x_stride, a.x_align, 0,
                                  dest_x[warp], n, units);
         for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = a.scales[t * a.scales_stride + i];
+            float scale = a.scales[t * a.scales_stride + i * a.scales_col_stride];
             for (int j = 0; j < n; j++) {
                 float *to = dest[warp][j] >= 0
                                 ? reinterpret_cast<float *>(peers[dest[warp][j]] + s.off_scales) +
