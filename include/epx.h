@@ -366,11 +366,18 @@ typedef struct {
     epx_tensor_t topk_weights;     /* [num_recv_tokens, num_topk] fp32, optional */
     epx_tensor_t out_x;            /* [tokens, hidden] bf16, tokens = dispatch's input */
     epx_tensor_t out_topk_weights; /* [tokens, num_topk] fp32, needed iff topk_weights */
+    /*
+     * DeepEP's bias: up to two [tokens, hidden] bf16 tensors added to out_x, each optional:
+     * out_x[t] = bf16(bias[0][t] + bias[1][t] + the rows), in fp32 with the biases added
+     * first. (Appended in epx 0.1: args of the older size, offsetof(epx_combine_args_t,
+     * bias), are accepted.)
+     */
+    epx_tensor_t bias[2];
 } epx_combine_args_t;
 
 #define EPX_COMBINE_ARGS_INIT                                                              \
     {sizeof(epx_combine_args_t), NULL, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
-     EPX_TENSOR_NONE}
+     EPX_TENSOR_NONE, {EPX_TENSOR_NONE, EPX_TENSOR_NONE}}
 
 /*
  * Zero-copy combine input. Fills `x` with a bf16 [rows, hidden] view of memory inside the
@@ -385,10 +392,12 @@ epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx
 
 /*
  * Collective. out_x[t] = sum over the ranks r that received token t of x_r[row of t]
- * (fp32 accumulation in rank order, bf16 out); tokens sent nowhere get zeros. When the
- * group spans nodes (ranks_per_node below the world size) the rows are summed inside
- * each node first, each node's sum is rounded to bf16, and those are summed in node
- * order (docs/INTERNODE.md); out_topk_weights likewise, without the rounding.
+ * (fp32 accumulation in rank order, after the biases if given; bf16 out); tokens sent
+ * nowhere get zeros (plus their biases). When the group spans nodes (ranks_per_node
+ * below the world size) the rows are summed inside each node first, each node's sum is
+ * rounded to bf16, and those are summed in node order (docs/INTERNODE.md);
+ * out_topk_weights likewise, without the rounding. Biases are refused across nodes
+ * (EPX_ERR_UNSUPPORTED).
  */
 epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
 

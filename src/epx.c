@@ -293,6 +293,12 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: buffer is NULL");
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
     EPX_CHECK(normal_available(buffer, "combine"));
+    /* Args from before the bias fields were appended: read as the full struct. */
+    epx_combine_args_t full;
+    if (args != NULL && args->size == offsetof(epx_combine_args_t, bias)) {
+        epx__combine_args_read(args, &full);
+        args = &full;
+    }
     epx_status_t status = epx__validate_combine(buffer, args);
     if (status == EPX_SUCCESS)
         status = buffer->ops->combine(buffer, args, stream);

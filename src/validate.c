@@ -325,7 +325,8 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
     const char *op = "combine";
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
-    if (args->size != sizeof(epx_combine_args_t))
+    if (args->size != sizeof(epx_combine_args_t) &&
+        args->size != offsetof(epx_combine_args_t, bias))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_COMBINE_ARGS_INIT)", op,
                          args->size, sizeof(epx_combine_args_t));
@@ -349,5 +350,25 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: out_topk_weights given without topk_weights to combine", op);
     }
+    static const char *const bias_names[2] = {"bias[0]", "bias[1]"};
+    for (int j = 0; j < 2; j++) {
+        if (!epx__tensor_given(&args->bias[j]))
+            continue;
+        if (buffer->group->ranks_per_node < buffer->group->world_size)
+            return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                             "%s: %s is not supported across nodes (the group spans %d nodes); "
+                             "add the bias to the result",
+                             op, bias_names[j],
+                             buffer->group->world_size / buffer->group->ranks_per_node);
+        EPX_CHECK(epx__check_tensor(op, bias_names[j], &args->bias[j], EPX_DTYPE_BF16, 2,
+                                    handle->num_tokens, config->hidden));
+    }
     return EPX_SUCCESS;
+}
+
+void epx__combine_args_read(const epx_combine_args_t *args, epx_combine_args_t *full)
+{
+    memset(full, 0, sizeof(*full));
+    memcpy(full, args, args->size < sizeof(*full) ? args->size : sizeof(*full));
+    full->size = sizeof(*full);
 }

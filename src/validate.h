@@ -17,6 +17,8 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
 epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t *args);
 /* Dispatch args of either accepted size (validated) as the current struct, new fields 0. */
 void epx__dispatch_args_read(const epx_dispatch_args_t *args, epx_dispatch_args_t *full);
+/* Combine args of either accepted size (validated) as the current struct, bias empty. */
+void epx__combine_args_read(const epx_combine_args_t *args, epx_combine_args_t *full);
 /* num_tokens_per_expert in host memory (host backend): every count >= 0. */
 epx_status_t epx__validate_layout_counts(const char *op, const epx_tensor_t *counts);
 

@@ -201,6 +201,7 @@ class CombineArgs(Structure):
         ("topk_weights", Tensor),
         ("out_x", Tensor),
         ("out_topk_weights", Tensor),
+        ("bias", Tensor * 2),
     ]
 
 

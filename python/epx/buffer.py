@@ -331,7 +331,9 @@ class Buffer(LowLatencyMixin):
 
     @staticmethod
     def is_sm90_compiled():
-        return False
+        """True: epx's fp8 paths need no sm_90 features (DeepEP's tests use this to decide
+        whether to run their fp8 cases)."""
+        return True
 
     # ------------------------------------------------------------ helpers
 
@@ -580,18 +582,21 @@ class Buffer(LowLatencyMixin):
             the view of get_combine_input(handle), computed into: read in place, no copy
             (x is passed to the library as it is, never copied here, whatever it is).
         handle: from that dispatch. topk_weights: [num_recv_tokens, num_topk] fp32, summed
-        the same way. bias: not supported (add it after combine).
+        the same way. bias: a [num_tokens, hidden] bf16 tensor or a pair of them, added to
+        the result (DeepEP's order: the sum starts from bias_0 + bias_1, in fp32).
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None,
         event), new tensors of x's framework.
         """
-        if bias is not None:
-            raise NotImplementedError("combine: bias is not supported by epx; add it to the "
-                                      "result instead")
         self._begin(previous_event)
         call = _Call(self, "combine", x)
         x_arg = call.tensor(x, "x", required=True)
         weights_arg = call.tensor(topk_weights, "topk_weights")
+        biases = bias if isinstance(bias, tuple) else (bias,)
+        if len(biases) > 2:
+            call.fail("bias is a tuple of %d tensors; DeepEP's bias is one tensor or two"
+                      % len(biases))
+        bias_args = [call.tensor(b, "bias[%d]" % i) for i, b in enumerate(biases[:2])]
         handle = self._check_handle(call, handle, required=True)
         if call.problems:
             self._raise_problems(call)
@@ -604,6 +609,9 @@ class Buffer(LowLatencyMixin):
         args.handle = handle._ptr
         args.x = x_arg.c_tensor()
         args.out_x = _tensor.resolve(out_x, "out_x", call.stream, _capi.DTYPE_BF16).c_tensor()
+        for i, bias_arg in enumerate(bias_args):
+            if bias_arg is not None:
+                args.bias[i] = bias_arg.c_tensor()
         if weights_arg is not None:
             out_weights = fw.empty((handle.num_tokens, self.num_topk), _capi.DTYPE_FP32, False,
                                    call.device, x)

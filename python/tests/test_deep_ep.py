@@ -264,14 +264,16 @@ def test_combine_bias(group, tensors):
         num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
     rng = np.random.default_rng([9, group.rank])
     bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16) for _ in range(2)]
-    plain, _, _ = buffer.combine(recv_x, handle)
     one, _, _ = buffer.combine(recv_x, handle, bias=tensors.put(bias[0]))
     two, _, _ = buffer.combine(recv_x, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
-    base = tensors.get(plain).astype(np.float32)
-    want_one = (base + bias[0].astype(np.float32)).astype(BF16)
-    want_two = (base + bias[0].astype(np.float32) + bias[1].astype(np.float32)).astype(BF16)
-    assert_bf16_equal(tensors.get(one), want_one, group.backend)
-    assert_bf16_equal(tensors.get(two), want_two, group.backend)
+    # Every rank that received token t sends back x[t]: the sum starts from the biases
+    # (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
+    copies = tensors.get(in_rank).sum(axis=1)
+    for got, parts in ((one, bias[:1]), (two, bias)):
+        acc = sum(b.astype(np.float32) for b in parts)
+        for c in range(group.world_size):
+            acc[copies > c] += x[copies > c].astype(np.float32)
+        assert_bf16_equal(tensors.get(got), acc.astype(BF16), group.backend)
     buffer.destroy()
 
 

@@ -65,6 +65,22 @@ static void no_out_weights(epx_combine_args_t *a)
 static void no_weights(epx_combine_args_t *a) { a->topk_weights = (epx_tensor_t)EPX_TENSOR_NONE; }
 static void weights_rows(epx_combine_args_t *a) { a->topk_weights.shape[0] += 1; }
 static void out_weights_cols(epx_combine_args_t *a) { a->out_topk_weights.shape[1] += 1; }
+/* bias[j] over out_x's memory with a wrong shape or dtype (never read: refused first). */
+static void bias0_rows(epx_combine_args_t *a)
+{
+    a->bias[0] = a->out_x;
+    a->bias[0].shape[0] -= 1;
+}
+static void bias1_dtype(epx_combine_args_t *a)
+{
+    a->bias[1] = a->out_x;
+    a->bias[1].dtype = EPX_DTYPE_FP32;
+}
+static void bias0_hidden(epx_combine_args_t *a)
+{
+    a->bias[0] = a->out_x;
+    a->bias[0].shape[1] = BI_HIDDEN / 2;
+}
 
 typedef struct {
     const char *what;
@@ -86,6 +102,9 @@ static const combine_case_t combine_cases[] = {
     {"combine: out_topk_weights without input", no_weights, "out_topk_weights"},
     {"combine: topk_weights rows wrong", weights_rows, "topk_weights"},
     {"combine: out_topk_weights columns wrong", out_weights_cols, "out_topk_weights"},
+    {"combine: bias[0] rows != dispatch tokens", bias0_rows, "bias"},
+    {"combine: bias[1] dtype fp32", bias1_dtype, "bias"},
+    {"combine: bias[0] hidden wrong", bias0_hidden, "bias"},
 };
 
 /* Handles belong to the buffer that made them. */

@@ -314,6 +314,67 @@ static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t
 }
 
 /*
+ * Combine with DeepEP's two biases: out = bf16(bias0 + bias1 + the rows in rank order),
+ * in fp32, computed here from moe_combine_row and this rank's routing.
+ */
+static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle)
+{
+    const char *step = "combine with two biases";
+    const moe_case_t *c = ctx->c;
+    const moe_expected_t *e = ctx->e;
+    int64_t hidden = c->hidden, n = ctx->in->num_tokens;
+    int world = c->world_size;
+    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *bias = calloc((size_t)(2 * n * hidden) + 1, 2);
+    uint16_t *want = calloc((size_t)(n * hidden) + 1, 2);
+    uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
+    uint16_t *row = calloc((size_t)hidden, 2);
+    CHECK(rows != NULL && bias != NULL && want != NULL && got != NULL && row != NULL);
+    for (int64_t i = 0; i < e->num_recv; i++)
+        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
+                        rows + i * hidden);
+    for (int64_t i = 0; i < 2 * n * hidden; i++)
+        bias[i] = moe_float_to_bf16((float)((i * 7 + i / hidden * 31) % 17 - 8) * 0.25f);
+    for (int64_t t = 0; t < n; t++) {
+        float *acc = calloc((size_t)hidden, sizeof(float));
+        CHECK(acc != NULL);
+        for (int64_t i = 0; i < hidden; i++)
+            acc[i] = moe_bf16_to_float(bias[t * hidden + i]) +
+                     moe_bf16_to_float(bias[(n + t) * hidden + i]);
+        for (int r = 0; r < world; r++) {
+            if (!e->is_token_in_rank[t * world + r])
+                continue;
+            moe_combine_row(c, r, ctx->rank, t, row);
+            for (int64_t i = 0; i < hidden; i++)
+                acc[i] += moe_bf16_to_float(row[i]);
+        }
+        for (int64_t i = 0; i < hidden; i++)
+            want[t * hidden + i] = moe_float_to_bf16(acc[i]);
+        free(acc);
+    }
+    void *x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2 + 2);
+    void *biases = mr_mem_from_host(bias, (size_t)(2 * n * hidden) * 2 + 2);
+    void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2 + 2, 0xff);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, e->num_recv, hidden);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, hidden);
+    args.bias[0] = epx_tensor_2d(biases, EPX_DTYPE_BF16, n, hidden);
+    args.bias[1] = epx_tensor_2d((uint16_t *)biases + n * hidden, EPX_DTYPE_BF16, n, hidden);
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    free(rows);
+    free(bias);
+    free(want);
+    free(got);
+    free(row);
+    mr_mem_free(x);
+    mr_mem_free(biases);
+    mr_mem_free(out_x);
+}
+
+/*
  * Combine through the zero-copy input (epx_get_combine_input): the view has the
  * handle's rows (max_tokens * R when the host does not know them: worst-case mode on a
  * GPU) and is the same memory every time. The moe_combine_row rows are written into it
@@ -535,6 +596,7 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
                                                 &exact, "fresh dispatch (caller outputs)");
     combine_check(ctx, buffer, views, 1, "combine with weights");
     combine_check(ctx, buffer, views, 0, "combine without weights");
+    combine_bias_check(ctx, buffer, views);
     if (c->dtype == EPX_DTYPE_BF16)
         roundtrip_check(ctx, buffer, owned, exact.x);
     combine_view_check(ctx, buffer, views, max_tokens, 1, "combine through the input view");

@@ -2,8 +2,8 @@
 
 Everything here is small next to a dispatch: the layout of a group that has no
 normal-mode buffer yet, the top-k padding of a
-worst-case dispatch, adding the low-latency receive counts into the caller's statistics,
-and adding combine's bias. docs/PYTHON.md ("DeepEP drop-in") lists them as known costs.
+worst-case dispatch, and adding the low-latency receive counts into the caller's
+statistics. docs/PYTHON.md ("DeepEP drop-in") lists them as known costs.
 Other frameworks raise NotImplementedError naming the operation.
 """
 
@@ -85,22 +85,3 @@ def add_(total, counts):
         total.add_(counts.to(total.dtype))
     else:
         total += counts.astype(total.dtype)
-
-
-def add_bias(out, bias):
-    """out (bf16) += bias_0 (+ bias_1), in fp32, rounded once."""
-    parts = [b for b in (bias if isinstance(bias, tuple) else (bias,)) if b is not None]
-    if not parts:
-        return out
-    if _kind(out, "combine bias") == "torch":
-        total = out.float()
-        for b in parts:
-            total += b.float()
-        out.copy_(total)
-        return out
-    np = importlib.import_module("numpy")
-    total = out.astype(np.float32)
-    for b in parts:
-        total += np.asarray(b).astype(np.float32)
-    out[...] = total.astype(out.dtype)
-    return out

@@ -421,11 +421,8 @@ class Buffer(LowLatencyMethods):
             x = x[:rows]
             if topk_weights is not None:
                 topk_weights = topk_weights[:rows]
-        combined_x, combined_weights, event = buffer.combine(
-            x, epx_handle, topk_weights, None, None, previous_event, async_finish)
-        if bias is not None:
-            _ops.add_bias(combined_x, bias)
-        return combined_x, combined_weights, event
+        return buffer.combine(x, epx_handle, topk_weights, bias, None, previous_event,
+                              async_finish)
 
     def __repr__(self):
         return ("deep_ep.Buffer(epx, rank=%d of %d, num_nvl_bytes=%d, num_rdma_bytes=%d, "

@@ -111,6 +111,13 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
         c.out_weights = args->out_topk_weights.data;
         c.out_weights_stride = epx__tensor_row_stride(&args->out_topk_weights);
     }
+    for (int j = 0; j < 2; j++) {
+        if (!epx__tensor_given(&args->bias[j]))
+            continue;
+        c.bias[j] = args->bias[j].data;
+        c.bias_stride[j] = epx__tensor_row_stride(&args->bias[j]) * 2;
+        c.bias_align[j] = epx__cuda_alignment(c.bias[j], c.bias_stride[j]);
+    }
     c.x_offset = x_offset;
     c.x_stride = x_stride;
     c.x_rows = rows;

@@ -16,7 +16,8 @@
  * Roles: a one-block ready kernel publishes this rank's input and waits for every
  * peer's (so at most one block per rank spins, whatever the SM budget). In the pull
  * kernel every warp is a reducer: one token at a time, lanes split the row into
- * 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane.
+ * 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane. The
+ * sums start from the caller's biases (DeepEP's bias_0 + bias_1) when given.
  *
  * Signals: the last block to finish stores the sequence number into every peer's done
  * flag and waits for everyone's: when the kernel ends nobody reads this rank's buffer
@@ -114,6 +115,25 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 #pragma unroll
                 for (int e = 0; e < 8; e++)
                     acc[u][e] = 0.0f;
+            /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
+            for (int b = 0; b < 2; b++) {
+                if (a.bias[b] != NULL) {
+                    const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b];
+#pragma unroll
+                    for (int u = 0; u < kUnroll; u++) {
+                        int64_t i = i0 + u * 32 + lane;
+                        if (i < units) {
+                            int4 v = epx_ld16(bias + i * 16, a.bias_align[b]);
+                            const uint32_t *w = reinterpret_cast<const uint32_t *>(&v);
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                acc[u][2 * e] += epx_bf16_lo(w[e]);
+                                acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
+                            }
+                        }
+                    }
+                }
+            }
             for (int j0 = 0; j0 < n; j0 += kGroup) {
                 int4 v[kGroup][kUnroll];
 #pragma unroll

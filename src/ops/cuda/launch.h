@@ -311,6 +311,9 @@ typedef struct {
     int num_blocks;
     int reserved;
     epx__cuda_xn_routing_t xn; /* internode mode */
+    const void *bias[2];    /* [T] bf16 rows added first, or NULL */
+    int64_t bias_stride[2]; /* bytes */
+    int bias_align[2];      /* alignment of the bias rows (16 = vector loads) */
 } epx__cuda_combine_args_t;
 
 cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,

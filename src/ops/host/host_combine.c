@@ -11,7 +11,8 @@
  *    also the zero-copy combine input (epx_get_combine_input): when x is that view,
  *    the rows are already in place and only the weights are copied.
  * 2. Barrier "data": every rank's staging rows are in place.
- * 3. Each rank reduces its own tokens from the peers' staging regions.
+ * 3. Each rank reduces its own tokens from the peers' staging regions (starting from the
+ *    caller's biases, if any).
  * 4. Barrier "done": no rank rewrites its staging region (next combine) while a peer
  *    may still be reading it.
  */
@@ -106,12 +107,44 @@ static void epx__combine_reduce(epx__host_buffer_t *host, const epx_combine_args
     int64_t weight_stride = with_weights ? epx__tensor_row_stride(&args->out_topk_weights) : 0;
     float *partial = host->accumulator, *total = host->accumulator + hidden;
     float *weight_partial = host->weight_sums, *weight_total = host->weight_sums + num_topk;
+    int has_bias = epx__tensor_given(&args->bias[0]) || epx__tensor_given(&args->bias[1]);
     for (int64_t t = 0; t < handle->num_tokens; t++) {
         memset(total, 0, (size_t)hidden * sizeof(float));
         memset(weight_total, 0, (size_t)num_topk * sizeof(float));
-        for (int node = 0; node < nodes; node++)
-            epx__combine_add_node(host, handle, t, node, per_node, hidden, num_topk,
-                                  with_weights, partial, weight_partial, total, weight_total);
+        if (has_bias) {
+            /* One node (validated): DeepEP's order, the biases first, then the rows in
+             * rank order, one rounding. */
+            for (int j = 0; j < 2; j++) {
+                if (!epx__tensor_given(&args->bias[j]))
+                    continue;
+                const uint16_t *bias = (const uint16_t *)args->bias[j].data +
+                                       t * epx__tensor_row_stride(&args->bias[j]);
+                for (int64_t i = 0; i < hidden; i++)
+                    total[i] += epx__bf16_to_float(bias[i]);
+            }
+            for (int r = 0; r < handle->world_size; r++) {
+                int64_t row = handle->send_row[t * handle->world_size + r];
+                if (row < 0)
+                    continue;
+                const uint16_t *x = (const uint16_t *)epx__host_region(host, r,
+                                                                       host->layout.stage_x) +
+                                    row * hidden;
+                for (int64_t i = 0; i < hidden; i++)
+                    total[i] += epx__bf16_to_float(x[i]);
+                if (with_weights) {
+                    const float *w = (const float *)epx__host_region(
+                                         host, r, host->layout.stage_weights) +
+                                     row * num_topk;
+                    for (int j = 0; j < num_topk; j++)
+                        weight_total[j] += w[j];
+                }
+            }
+        } else {
+            for (int node = 0; node < nodes; node++)
+                epx__combine_add_node(host, handle, t, node, per_node, hidden, num_topk,
+                                      with_weights, partial, weight_partial, total,
+                                      weight_total);
+        }
         uint16_t *out = (uint16_t *)args->out_x.data + t * out_stride;
         for (int64_t i = 0; i < hidden; i++)
             out[i] = epx__float_to_bf16(total[i]);
