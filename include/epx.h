@@ -491,10 +491,15 @@ typedef struct {
      * int32 (channel group g in byte g % 4 of word g / 4). hidden % 512 == 0. */
     int use_ue8m0;
     uint32_t flags; /* EPX_LL_SEND_ONLY */
+    /* Optional [L] int32 (DeepEP's cumulative_local_expert_recv_stats): the receive adds
+     * recv_count to it (in stream order on the GPU), so it counts rows per local expert
+     * across calls. (Appended in epx 0.1: args of the older size,
+     * offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats), are accepted.) */
+    epx_tensor_t cumulative_local_expert_recv_stats;
 } epx_ll_dispatch_args_t;
 
 #define EPX_LL_DISPATCH_ARGS_INIT \
-    {sizeof(epx_ll_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, 0, 0, 0u}
+    {sizeof(epx_ll_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, 0, 0, 0u, EPX_TENSOR_NONE}
 
 /*
  * Dispatch results: views into the buffer's slot, valid until the slot is reused (two

@@ -88,6 +88,16 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
+    /* Args from before cumulative_local_expert_recv_stats was appended: read as the full
+     * struct (the field then reads as not given). */
+    epx_ll_dispatch_args_t full;
+    if (args != NULL &&
+        args->size == offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats)) {
+        memset(&full, 0, sizeof(full));
+        memcpy(&full, args, args->size);
+        full.size = sizeof(full);
+        args = &full;
+    }
     EPX_CHECK(epx__validate_ll_dispatch(buffer, args, result));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_dispatch));
     if (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)

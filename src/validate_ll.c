@@ -2,6 +2,8 @@
  * Argument checks of the low-latency entry points (see validate.h). Shapes follow
  * include/epx.h: M = max_low_latency_tokens, R = world size, L = local experts.
  */
+#include <stddef.h>
+
 #include "validate.h"
 
 /* A contiguous 3-d tensor of the given dtype and shape (strides all 0 or row major). */
@@ -62,7 +64,8 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
     const char *op = "ll_dispatch";
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
-    if (args->size != sizeof(epx_ll_dispatch_args_t))
+    if (args->size != sizeof(epx_ll_dispatch_args_t) &&
+        args->size != offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_LL_DISPATCH_ARGS_INIT)", op,
                          args->size, sizeof(epx_ll_dispatch_args_t));
@@ -86,6 +89,11 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
                          op, (long long)tokens, (long long)config->max_low_latency_tokens);
     EPX_CHECK(epx__check_tensor(op, "topk_idx", &args->topk_idx, EPX_DTYPE_INT64, 2, tokens,
                                 config->num_topk));
+    if (args->size == sizeof(epx_ll_dispatch_args_t) &&
+        epx__tensor_given(&args->cumulative_local_expert_recv_stats))
+        EPX_CHECK(epx__check_tensor(op, "cumulative_local_expert_recv_stats",
+                                    &args->cumulative_local_expert_recv_stats, EPX_DTYPE_INT32, 1,
+                                    buffer->num_local_experts, -1));
     if (!args->use_fp8 && config->low_latency_dtype == EPX_DTYPE_FP8_E4M3)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: the buffer was created with config.low_latency_dtype = fp8_e4m3 "

@@ -231,6 +231,7 @@ class LLDispatchArgs(Structure):
         ("round_scale", c_int),
         ("use_ue8m0", c_int),
         ("flags", c_uint32),
+        ("cumulative_local_expert_recv_stats", Tensor),
     ]
 
 

@@ -94,8 +94,9 @@ class LowLatencyMixin:
             call.fail("return_recv_hook=True cannot be used with JAX arrays: JAX outputs are "
                       "copies made when the call returns, before hook() receives the data")
         if out is not None and _frameworks.of(out).name == "jax":
-            call.fail("out cannot be a JAX array: JAX arrays are immutable; leave out=None "
-                      "and use the array returned")
+            call.fail("%s cannot be a JAX array: JAX arrays are immutable, and epx writes it"
+                      % ("out" if call.op == "low_latency_combine"
+                         else "cumulative_local_expert_recv_stats"))
 
     def _ll_hook(self, handle, stream, what, keepalive):
         """The receive hook of one SEND_ONLY operation: calls epx_ll_receive.
@@ -132,8 +133,9 @@ class LowLatencyMixin:
         topk_idx: [num_tokens, num_topk] int64 global expert ids, -1 = none.
         num_max_dispatch_tokens_per_rank, num_experts: as DeepEP; checked against the
             buffer's (None = the buffer's).
-        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats: not supported
-            (must be None).
+        cumulative_local_expert_recv_stats: [L] int32 (optional), recv_count is added to
+            it by the receive (after hook() with return_recv_hook).
+        dispatch_wait_recv_cost_stats: not supported (must be None).
         use_fp8: cast to fp8 e4m3 with one fp32 scale per 128 channels; round_scale:
             power-of-two scales; use_ue8m0: scales as exponent bytes, four per int32.
         async_finish: return an EventOverlap recorded after the operation.
@@ -150,12 +152,12 @@ class LowLatencyMixin:
         x_arg = call.tensor(x, "x", required=True)
         idx_arg = call.tensor(topk_idx, "topk_idx", required=True)
         self._ll_check_shape(call, num_max_dispatch_tokens_per_rank, num_experts)
-        self._ll_check_jax(call, return_recv_hook)
-        for name, value in (("cumulative_local_expert_recv_stats",
-                             cumulative_local_expert_recv_stats),
-                            ("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)):
-            if value is not None:
-                raise NotImplementedError(_NOT_IMPLEMENTED_STATS % (call.op, name))
+        stats_arg = call.tensor(cumulative_local_expert_recv_stats,
+                                "cumulative_local_expert_recv_stats")
+        self._ll_check_jax(call, return_recv_hook, cumulative_local_expert_recv_stats)
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError(_NOT_IMPLEMENTED_STATS
+                                      % (call.op, "dispatch_wait_recv_cost_stats"))
         if call.problems:
             # Low-latency argument errors do not poison the buffer (epx.h): raise here;
             # the peers' call ends in a timeout that names this rank.
@@ -168,6 +170,8 @@ class LowLatencyMixin:
         args.round_scale = int(bool(round_scale))
         args.use_ue8m0 = int(bool(use_ue8m0))
         args.flags = _capi.LL_SEND_ONLY if return_recv_hook else 0
+        if stats_arg is not None:
+            args.cumulative_local_expert_recv_stats = stats_arg.c_tensor()
         result = _capi.new(_capi.LLDispatchResult)
         check(_capi.api().epx_ll_dispatch(self.pointer, ctypes.byref(args),
                                           ctypes.byref(result), call.stream), "ll_dispatch")
@@ -181,9 +185,10 @@ class LowLatencyMixin:
         value = _capi.LLHandle.from_buffer_copy(result.handle)
         handle = LowLatencyHandle(self, value, src_info, layout_range, x_arg.shape[0],
                                   int(result.num_masked_entries), call.framework, raw)
-        hook = (self._ll_hook(handle, call.stream, "dispatch", (x_arg, idx_arg))
+        hook = (self._ll_hook(handle, call.stream, "dispatch", (x_arg, idx_arg, stats_arg))
                 if return_recv_hook else None)
-        event = self._end(call, async_finish, (x, topk_idx, recv_x, recv_scales, recv_count))
+        event = self._end(call, async_finish, (x, topk_idx, recv_x, recv_scales, recv_count,
+                                               cumulative_local_expert_recv_stats))
         recv_x_out = (recv_x, recv_scales) if use_fp8 else recv_x
         return recv_x_out, recv_count, handle, event, hook
 

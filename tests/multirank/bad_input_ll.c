@@ -121,6 +121,17 @@ void bi_run_ll_cases(void)
     bi_expect("ll: more tokens than max_low_latency_tokens",
               epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_CAPACITY, "x");
     args = ll_args(LL_HIDDEN, LL_TOKENS);
+    args.cumulative_local_expert_recv_stats =
+        epx_tensor_1d(idx_data, EPX_DTYPE_INT32, BI_EXPERTS_PER_RANK + 1);
+    bi_expect("ll: cumulative_local_expert_recv_stats length",
+              epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG,
+              "cumulative_local_expert_recv_stats");
+    args.cumulative_local_expert_recv_stats.shape[0] = BI_EXPERTS_PER_RANK;
+    args.cumulative_local_expert_recv_stats.dtype = EPX_DTYPE_INT64;
+    bi_expect("ll: cumulative_local_expert_recv_stats dtype",
+              epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG,
+              "cumulative_local_expert_recv_stats");
+    args = ll_args(LL_HIDDEN, LL_TOKENS);
     args.topk_idx.shape[1] = BI_TOPK + 1;
     bi_expect("ll: topk_idx width", epx_ll_dispatch(buffer, &args, &result, NULL),
               EPX_ERR_INVALID_ARG, "topk_idx");

@@ -144,9 +144,15 @@ static void step_poison_out(step_t *s)
     mr_mem_to_device(s->out, s->out_host, out_bytes(s));
 }
 
+/* Backend memory of [L] int32 that dispatches add their recv_count to, or NULL. */
+static void *recv_stats;
+
 static epx_status_t step_dispatch(epx_buffer_t buffer, step_t *s, uint32_t flags)
 {
     epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
+    if (recv_stats != NULL)
+        args.cumulative_local_expert_recv_stats =
+            epx_tensor_1d(recv_stats, EPX_DTYPE_INT32, EXPERTS_PER_RANK);
     args.x = epx_tensor_2d(s->x, EPX_DTYPE_BF16, s->in.num_tokens, s->c.hidden);
     args.topk_idx = epx_tensor_2d(s->topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
     args.use_fp8 = s->cast.use_fp8;
@@ -428,6 +434,11 @@ static void run_steps(const char *name, int64_t hidden, moe_ll_cast_t cast, int 
                       epx_dtype_t ll_dtype, int split)
 {
     epx_buffer_t buffer = make_buffer_of(hidden, ll_dtype);
+    /* cumulative_local_expert_recv_stats: every step's recv_count adds up (from 5 each). */
+    int32_t stats_want[EXPERTS_PER_RANK], stats_got[EXPERTS_PER_RANK];
+    for (int local = 0; local < EXPERTS_PER_RANK; local++)
+        stats_want[local] = 5;
+    recv_stats = mr_mem_from_host(stats_want, sizeof(stats_want));
     for (int iteration = 0; iteration < 3; iteration++) {
         step_t s;
         step_init(&s, 100 + (uint64_t)iteration, hidden, MAX_TOKENS - iteration, empty_rank, cast);
@@ -444,6 +455,8 @@ static void run_steps(const char *name, int64_t hidden, moe_ll_cast_t cast, int 
         if (send_only)
             CHECK_OK(epx_ll_receive(buffer, s.got.handle, NULL));
         check_dispatch(&s, NULL);
+        for (int local = 0; local < EXPERTS_PER_RANK; local++)
+            stats_want[local] += s.recv.count[local];
         void *x = alloc_expert_outputs(&s);
         epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
         CHECK_OK(step_combine(buffer, &s, x, 0, &result));
@@ -452,6 +465,13 @@ static void run_steps(const char *name, int64_t hidden, moe_ll_cast_t cast, int 
         mr_mem_free(x);
         step_free(&s);
     }
+    mr_mem_to_host(stats_got, recv_stats, sizeof(stats_got));
+    for (int local = 0; local < EXPERTS_PER_RANK; local++)
+        if (stats_got[local] != stats_want[local])
+            TEST_FAIL("%s: rank %d: cumulative_local_expert_recv_stats[%d] is %d, expected %d",
+                      name, info.rank, local, stats_got[local], stats_want[local]);
+    mr_mem_free(recv_stats);
+    recv_stats = NULL;
     CHECK_OK(epx_buffer_destroy(buffer));
     if (info.rank == 0)
         printf("test_ll: %s ok\n", name);

@@ -1,10 +1,9 @@
 """The few tensor operations epx.deep_ep does itself, for NumPy arrays and torch tensors.
 
-Everything here is small next to a dispatch: the layout of a group that has no
-normal-mode buffer yet, the top-k padding of a
-worst-case dispatch, and adding the low-latency receive counts into the caller's
-statistics. docs/PYTHON.md ("DeepEP drop-in") lists them as known costs.
-Other frameworks raise NotImplementedError naming the operation.
+Both are small next to a dispatch: the layout of a group that has no normal-mode buffer
+yet, and the top-k padding of a worst-case dispatch. docs/PYTHON.md ("DeepEP drop-in")
+lists them as known costs. Other frameworks raise NotImplementedError naming the
+operation.
 """
 
 import importlib
@@ -77,11 +76,3 @@ def pad_rows(tensor, count, count_device, value):
     torch = importlib.import_module("torch")
     rows = torch.arange(tensor.shape[0], device=tensor.device)
     tensor.masked_fill_((rows >= count_device.to(rows.dtype)).unsqueeze(1), value)
-
-
-def add_(total, counts):
-    """total += counts (the caller's cumulative_local_expert_recv_stats)."""
-    if _kind(total, "cumulative_local_expert_recv_stats") == "torch":
-        total.add_(counts.to(total.dtype))
-    else:
-        total += counts.astype(total.dtype)

@@ -9,7 +9,6 @@ is epx.Buffer's low-latency mode (python/epx/low_latency.py, docs/LOW_LATENCY.md
 from ..buffer import Buffer as _EpxBuffer
 from ..errors import EpxError, Status, invalid_argument
 from ..low_latency import LowLatencyHandle
-from . import _ops
 
 
 class LowLatencyMethods:
@@ -62,20 +61,10 @@ class LowLatencyMethods:
                                       "supported by epx (receive wait times are not measured)")
         buffer = self._low_latency_buffer(int(num_max_dispatch_tokens_per_rank), int(x.shape[1]),
                                           int(num_experts), int(topk_idx.shape[1]))
-        recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, None, None, use_fp8,
-            round_scale, use_ue8m0, async_finish, return_recv_hook)
-        stats = cumulative_local_expert_recv_stats
-        if stats is not None:
-            if hook is None:
-                _ops.add_(stats, recv_count)
-            else:
-                receive = hook
-
-                def hook():
-                    receive()
-                    _ops.add_(stats, recv_count)
-        return recv_x, recv_count, handle, event, hook
+        return buffer.low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, None, use_fp8, round_scale, use_ue8m0,
+            async_finish, return_recv_hook)
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False, out=None,

@@ -15,6 +15,7 @@
 typedef struct {
     int use_fp8, use_ue8m0;
     int64_t tokens;
+    int32_t *recv_stats; /* the dispatch's cumulative_local_expert_recv_stats, or NULL */
     epx_ll_op_t combine; /* what the combine's receive needs */
 } epx__cuda_ll_slot_t;
 

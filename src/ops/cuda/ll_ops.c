@@ -54,6 +54,7 @@ epx_status_t epx__cuda_ll_dispatch(epx_buffer_t buffer, int slot, const epx_ll_d
     ll->slots[slot].use_fp8 = args->use_fp8;
     ll->slots[slot].use_ue8m0 = args->use_ue8m0;
     ll->slots[slot].tokens = op.tokens;
+    ll->slots[slot].recv_stats = args->cumulative_local_expert_recv_stats.data;
     EPX_CHECK(launched(ll->plugin->dispatch_send(&ll->shape, &op, stream), "ll_dispatch"));
     dispatch_views(buffer, ll, slot, args, result);
     return EPX_SUCCESS;
@@ -68,6 +69,7 @@ epx_status_t epx__cuda_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     op.tokens = ll->slots[slot].tokens;
     op.use_fp8 = ll->slots[slot].use_fp8;
     op.use_ue8m0 = ll->slots[slot].use_ue8m0;
+    op.recv_stats = ll->slots[slot].recv_stats;
     return launched(ll->plugin->dispatch_recv(&ll->shape, &op, stream), "ll_dispatch (receive)");
 }
 

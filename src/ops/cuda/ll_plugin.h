@@ -113,6 +113,7 @@ typedef struct {
     void *out;              /* combine: bf16 [tokens][hidden] */
     int64_t out_stride;
     int use_fp8, round_scale, use_ue8m0;
+    int32_t *recv_stats;    /* dispatch receive: [L] int32 += recv_count, or NULL */
 } epx_ll_op_t;
 
 /* The kernels (stream-ordered; each returns a cudaError_t as int). */

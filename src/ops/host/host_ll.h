@@ -60,6 +60,7 @@ typedef struct {
     uint8_t *peers;  /* [R] ranks this operation exchanges with (unmasked at its send) */
     uint8_t *failed; /* [R] scratch of the waits */
     epx_tensor_t topk_idx, topk_weights, out; /* combine's, for its receive */
+    int32_t *recv_stats; /* dispatch's cumulative_local_expert_recv_stats, or NULL */
 } epx__host_ll_slot_t;
 
 typedef struct epx__host_ll {

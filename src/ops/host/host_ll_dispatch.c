@@ -54,6 +54,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
     s->num_tokens = tokens;
     s->use_fp8 = args->use_fp8;
     s->use_ue8m0 = args->use_ue8m0;
+    s->recv_stats = args->cumulative_local_expert_recv_stats.data;
     s->masked_entries = 0;
     for (int r = 0; r < world; r++)
         s->peers[r] = !ll->mask[r];
@@ -169,6 +170,8 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
                 (int64_t)((uint64_t)first << 32 | (uint64_t)count);
         }
         ((int32_t *)(base + l->recv_count))[local] = (int32_t)pos;
+        if (s->recv_stats != NULL)
+            s->recv_stats[local] += (int32_t)pos;
     }
     /* This rank is done with the staging: the sources may refill the slot. */
     for (int r = 0; r < world; r++)

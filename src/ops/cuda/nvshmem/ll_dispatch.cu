@@ -449,8 +449,12 @@ static __device__ __forceinline__ void epx_ll_dispatch_recv(epx_ll_shape_t s, ep
             reinterpret_cast<int64_t *>(sym + s.recv_range)[i] =
                 (int64_t)(((uint64_t)begin << 32) | (uint64_t)count);
         }
-        for (int e = threadIdx.x; e < L; e += blockDim.x)
+        for (int e = threadIdx.x; e < L; e += blockDim.x) {
             reinterpret_cast<int32_t *>(out + s.recv_count)[e] = first[e * (R + 1) + R];
+            /* DeepEP's cumulative_local_expert_recv_stats (stream order: no atomics). */
+            if (op.recv_stats != NULL)
+                op.recv_stats[e] += first[e * (R + 1) + R];
+        }
     }
 
     epx_ll_pack_t p;
