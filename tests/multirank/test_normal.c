@@ -581,6 +581,46 @@ static void dispatch_column_major_scales(const nt_ctx_t *ctx, epx_buffer_t buffe
 
 /* ---------------------------------------------------------------- one case */
 
+/*
+ * Across nodes, a combine with a bias and a dispatch routed by the layout are refused
+ * (EPX_ERR_UNSUPPORTED, on every rank alike); each poisons its buffer, so each gets a
+ * fresh one.
+ */
+static void check_refused_across_nodes(const nt_ctx_t *ctx, epx_group_t group,
+                                       const epx_buffer_config_t *config, const inputs_t *in)
+{
+    const moe_case_t *c = ctx->c;
+    int64_t n = in->host.num_tokens;
+    epx_buffer_t buffer;
+    CHECK_OK(epx_buffer_create(group, config, &buffer));
+    epx_dispatch_args_t args = dispatch_args(c, in);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    void *x = mr_mem_alloc((size_t)(ctx->e->num_recv * c->hidden) * 2 + 2, 0);
+    void *out = mr_mem_alloc((size_t)(n * c->hidden) * 2 + 2, 0);
+    epx_combine_args_t combine = EPX_COMBINE_ARGS_INIT;
+    combine.handle = res.handle;
+    combine.x = epx_tensor_2d(x, EPX_DTYPE_BF16, ctx->e->num_recv, c->hidden);
+    combine.out_x = epx_tensor_2d(out, EPX_DTYPE_BF16, n, c->hidden);
+    combine.bias[0] = combine.out_x;
+    CHECK_STATUS(epx_combine(buffer, &combine, NULL), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("across nodes");
+    CHECK_OK(epx_handle_destroy(res.handle));
+    CHECK_OK(epx_buffer_destroy(buffer));
+
+    CHECK_OK(epx_buffer_create(group, config, &buffer));
+    args.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
+    args.is_token_in_rank = epx_tensor_2d(x, EPX_DTYPE_BOOL, n, c->world_size);
+    args.num_tokens_per_expert = epx_tensor_1d(out, EPX_DTYPE_INT32, c->num_experts);
+    res = (epx_dispatch_result_t)EPX_DISPATCH_RESULT_INIT;
+    CHECK_STATUS(epx_dispatch(buffer, &args, &res, NULL), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("across nodes");
+    CHECK_OK(epx_buffer_destroy(buffer));
+    mr_mem_free(x);
+    mr_mem_free(out);
+}
+
 /* The first round: every way of calling dispatch and combine, on buffer `buffer`. */
 static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in,
                            int64_t max_tokens)
@@ -596,7 +636,11 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
                                                 &exact, "fresh dispatch (caller outputs)");
     combine_check(ctx, buffer, views, 1, "combine with weights");
     combine_check(ctx, buffer, views, 0, "combine without weights");
-    combine_bias_check(ctx, buffer, views);
+    /* Biases and routing by the layout are refused across nodes (poisoning the buffer):
+     * test_bad_input shows the refusals. */
+    int one_node = c->ranks_per_node <= 0 || c->ranks_per_node >= c->world_size;
+    if (one_node)
+        combine_bias_check(ctx, buffer, views);
     if (c->dtype == EPX_DTYPE_BF16)
         roundtrip_check(ctx, buffer, owned, exact.x);
     combine_view_check(ctx, buffer, views, max_tokens, 1, "combine through the input view");
@@ -607,7 +651,8 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
                        "combine through the input view after a cached dispatch, not rewritten");
     combine_check(ctx, buffer, views, 1, "combine after cached dispatch");
     check_rank_prefix(ctx, views, "after a cached dispatch");
-    dispatch_by_layout(ctx, buffer, in);
+    if (one_node)
+        dispatch_by_layout(ctx, buffer, in);
     if (c->dtype == EPX_DTYPE_FP8_E4M3)
         dispatch_column_major_scales(ctx, buffer, in);
 
@@ -651,6 +696,8 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
         nt_ctx_t ctx = {nc->name, info->rank, &c, &e, &in.host};
         if (round == 0) {
             run_full_round(&ctx, buffer, &in, nc->max_tokens);
+            if (info->ranks_per_node < info->world_size && index == 0)
+                check_refused_across_nodes(&ctx, group, &config, &in);
         } else {
             snprintf(step, sizeof step, "round %d dispatch", round);
             epx_handle_t handle = dispatch_fresh_views(&ctx, buffer, &in, step);

@@ -228,10 +228,6 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
     int worst_case = (args->flags & EPX_DISPATCH_WORST_CASE) != 0;
     struct epx_handle *cached = args->handle;
     int fresh = cached == NULL;
-    if (fresh && !epx__tensor_given(&args->topk_idx) && cuda->xn != NULL)
-        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "dispatch: routing by is_token_in_rank (without topk_idx) is not "
-                         "supported across nodes yet; pass topk_idx");
 
     epx__cuda_handle_state_t *state = NULL;
     if (fresh)
