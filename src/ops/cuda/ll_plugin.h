@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 4
+#define EPX_LL_PLUGIN_ABI 5
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
