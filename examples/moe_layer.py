@@ -23,8 +23,11 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-import epx  # noqa: E402
+try:
+    import epx  # installed (pip install ./python), or on PYTHONPATH
+except ImportError:  # a checkout used as is: the package next to this file
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+    import epx  # noqa: E402
 
 try:
     import ml_dtypes

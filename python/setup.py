@@ -1,14 +1,27 @@
-"""Build step of `pip install ./python`: build libepx.so with CMake and bundle it.
+"""Build step of `pip install ./python`: build epx with CMake and bundle it.
 
-The library is built from the repository this directory sits in (../CMakeLists.txt) into
-a temporary build directory, and the shared library is copied into the package as
-epx/_lib/libepx.so, where epx/_library.py looks for it first (after EPX_LIBRARY).
+CMake builds the repository this directory sits in (../CMakeLists.txt) and installs it
+into a staging directory (`cmake --install`); the package then carries, in epx/_lib/:
 
-Environment:
-    EPX_CMAKE_ARGS      extra CMake arguments, e.g. "-DEPX_WITH_CUDA=OFF"
-    EPX_SKIP_BUILD=1    bundle nothing (the package then finds the library through
-                        EPX_LIBRARY, the repository's build/ or the system loader)
-    EPX_BUILD_JOBS      parallel build jobs (default: CPU count)
+    libepx.so           the library (epx/_library.py loads it)
+    epx                 the `epx` command (launch, bench, doctor, params), which the
+                        console script `epx` runs (epx/_cli.py)
+    libepx_nvshmem.so   the NVSHMEM plugin (low-latency mode on GPUs), when the build
+                        found NVSHMEM: NVSHMEM_HOME, or the nvidia-nvshmem-cu13 wheel of
+                        the Python that runs this (so use --no-build-isolation from an
+                        environment that has it). Its runtime, libnvshmem_host.so.3, comes
+                        from the nvidia-nvshmem-cu13 wheel in the same site-packages
+                        (`pip install "./python[gpu]"`), else from where it was at build time.
+
+Environment (not EPX_*: the library warns about EPX_* names it does not know):
+    CMAKE_ARGS                  extra CMake arguments, e.g. "-DEPX_WITH_CUDA=OFF"
+    CMAKE_BUILD_PARALLEL_LEVEL  parallel build jobs (CMake's own variable; default: CPUs)
+    EPXPY_BUILD_DIR             the CMake build directory (default python/build/cmake); it
+                                is kept, so a second install rebuilds only what changed
+    EPXPY_SKIP_BUILD=1          bundle nothing (the package then finds the library through
+                                EPX_LIBRARY, the repository's build/ or the system loader,
+                                and the `epx` console script says it has no executable)
+EPX_CMAKE_ARGS, EPX_BUILD_JOBS and EPX_SKIP_BUILD are still read (deprecated names).
 """
 
 import glob
@@ -16,6 +29,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -23,56 +37,84 @@ from setuptools.dist import Distribution
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+# Where the bundled plugin finds NVSHMEM's runtime in an installed environment:
+# site-packages/epx/_lib/ -> site-packages/nvidia/nvshmem/lib/ (the nvidia-nvshmem-cu13 wheel).
+NVSHMEM_WHEEL_RPATH = "$ORIGIN/../../nvidia/nvshmem/lib"
 
 
-def _build_library(build_temp):
+def _env(name, old_name, default=""):
+    value = os.environ.get(name)
+    if value is None:
+        value = os.environ.get(old_name, default)
+    return value
+
+
+def _skip_build():
+    return _env("EPXPY_SKIP_BUILD", "EPX_SKIP_BUILD") == "1"
+
+
+def _build_and_stage(build_dir, stage_dir):
+    """Configure, build and install epx into stage_dir; return the files to bundle."""
     if not os.path.exists(os.path.join(REPO, "CMakeLists.txt")):
         raise RuntimeError(
             "epx: cannot build libepx.so: %s has no CMakeLists.txt (install from a checkout "
-            "of the repository with `pip install ./python`, or set EPX_SKIP_BUILD=1 and "
+            "of the repository with `pip install ./python`, or set EPXPY_SKIP_BUILD=1 and "
             "point EPX_LIBRARY at a built library)" % REPO)
     cmake = shutil.which("cmake")
     if cmake is None:
         raise RuntimeError("epx: cmake (>= 3.25) and a C compiler are needed to build "
                            "libepx.so; install them (e.g. apt-get install cmake "
-                           "build-essential) or set EPX_SKIP_BUILD=1")
-    build_dir = os.path.join(build_temp, "libepx")
-    configure = [cmake, "-S", REPO, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release"]
-    configure += shlex.split(os.environ.get("EPX_CMAKE_ARGS", ""))
-    subprocess.check_call(configure)
-    jobs = os.environ.get("EPX_BUILD_JOBS") or str(os.cpu_count() or 2)
-    subprocess.check_call([cmake, "--build", build_dir, "--target", "epx", "-j", jobs])
-    found = sorted(glob.glob(os.path.join(build_dir, "libepx.so*")))
-    if not found:
-        raise RuntimeError("epx: the CMake build produced no libepx.so in %s" % build_dir)
-    # The NVSHMEM plugin (low-latency mode on GPUs) exists when CMake found NVSHMEM.
-    plugin = None
-    if subprocess.call([cmake, "--build", build_dir, "--target", "epx_nvshmem", "-j", jobs]) == 0:
-        plugin = os.path.join(build_dir, "libepx_nvshmem.so")
+                           "build-essential) or set EPXPY_SKIP_BUILD=1")
+    configure = [cmake, "-S", REPO, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
+                 "-DCMAKE_INSTALL_LIBDIR=lib", "-DCMAKE_INSTALL_BINDIR=bin",
+                 "-DPython3_EXECUTABLE=" + sys.executable,
+                 "-DEPX_NVSHMEM_RPATH=" + NVSHMEM_WHEEL_RPATH]
+    configure += shlex.split(_env("CMAKE_ARGS", "EPX_CMAKE_ARGS"))
+    configured = subprocess.run(configure, stdout=subprocess.PIPE, universal_newlines=True)
+    sys.stdout.write(configured.stdout)
+    if configured.returncode != 0:
+        raise RuntimeError("epx: CMake configure failed (see above)")
+    targets = ["epx", "epx_tool"]
+    with_plugin = "epx: NVSHMEM plugin ON" in configured.stdout
+    if with_plugin:
+        targets.append("epx_nvshmem")
+    jobs = (_env("CMAKE_BUILD_PARALLEL_LEVEL", "EPX_BUILD_JOBS") or str(os.cpu_count() or 2))
+    subprocess.check_call([cmake, "--build", build_dir, "-j", jobs, "--target"] + targets)
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    subprocess.check_call([cmake, "--install", build_dir, "--prefix", stage_dir],
+                          stdout=subprocess.DEVNULL)
+    libraries = sorted(glob.glob(os.path.join(stage_dir, "lib", "libepx.so.*")))
+    if not libraries:
+        raise RuntimeError("epx: `cmake --install` put no libepx.so in %s/lib" % stage_dir)
     # The real file (libepx.so.X.Y.Z), bundled under the name the loader looks for.
-    return os.path.realpath(found[0]), plugin
+    files = {"libepx.so": os.path.realpath(libraries[0]),
+             "epx": os.path.join(stage_dir, "bin", "epx")}
+    if with_plugin:
+        files["libepx_nvshmem.so"] = os.path.join(stage_dir, "lib", "libepx_nvshmem.so")
+    return files
 
 
 class BuildWithLibrary(build_py):
     def run(self):
         super().run()
-        if os.environ.get("EPX_SKIP_BUILD") == "1":
+        if _skip_build():
             return
-        build_temp = os.path.join(HERE, "build", "cmake")
-        library, plugin = _build_library(build_temp)
+        build_dir = os.path.abspath(os.environ.get("EPXPY_BUILD_DIR") or
+                                    os.path.join(HERE, "build", "cmake"))
+        files = _build_and_stage(build_dir, os.path.join(build_dir, "stage"))
+        # Everything in one directory: libepx and the epx command look for the NVSHMEM
+        # plugin beside themselves.
         target_dir = os.path.join(self.build_lib, "epx", "_lib")
         os.makedirs(target_dir, exist_ok=True)
-        shutil.copyfile(library, os.path.join(target_dir, "libepx.so"))
-        # libepx looks for its NVSHMEM plugin beside itself (it keeps NVSHMEM's path).
-        if plugin and os.path.exists(plugin):
-            shutil.copyfile(plugin, os.path.join(target_dir, "libepx_nvshmem.so"))
+        for name, source in files.items():
+            shutil.copy(source, os.path.join(target_dir, name))  # keeps the mode (+x)
 
 
 class BinaryDistribution(Distribution):
-    """The wheel carries a shared library: tag it for this platform."""
+    """The wheel carries a shared library and a program: tag it for this platform."""
 
     def has_ext_modules(self):
-        return os.environ.get("EPX_SKIP_BUILD") != "1"
+        return not _skip_build()
 
 
 cmdclass = {"build_py": BuildWithLibrary}
@@ -90,7 +132,7 @@ if bdist_wheel is not None:
 
         def get_tag(self):
             python, abi, platform = super().get_tag()
-            if os.environ.get("EPX_SKIP_BUILD") == "1":
+            if _skip_build():
                 return python, abi, platform
             return "py3", "none", platform
 

@@ -8,10 +8,12 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(REPO, "python"))
 sys.path.insert(0, HERE)
-
-import epx  # noqa: E402
+try:
+    import epx  # the installed package, or the one PYTHONPATH names
+except ImportError:
+    sys.path.insert(0, os.path.join(REPO, "python"))  # a checkout used as is
+    import epx  # noqa: E402
 import numpy as np  # noqa: E402
 from reference import BF16, FP8  # noqa: E402
 

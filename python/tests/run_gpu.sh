@@ -12,7 +12,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
-build="${EPX_GPU_BUILD_DIR:-$root/build-gpu}"
+build="${GPU_CHECK_BUILD_DIR:-$root/build-gpu}"
 what="${1:-all}"
 
 missing=()

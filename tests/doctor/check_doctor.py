@@ -4,9 +4,9 @@
 usage: check_doctor.py EPX json|text|plugin PLUGIN
 
 PLUGIN is the libepx_nvshmem.so this build made, or "none" when it made none.
-json: every line is one JSON object; check lines carry a known name and status, a
-string detail and fix; the last line is the summary, whose counts match the lines;
-the exit status is 1 exactly when a check failed. On a machine without an NVIDIA
+json: the output is one JSON document (json.loads of all of it): "checks", a list of
+objects with a known name and status, a string detail and fix, and "summary", whose
+counts match the checks; the exit status is 1 exactly when a check failed. On a machine without an NVIDIA
 driver (CI) every gpu.* check must say not-present, and the exit status must be 0.
 nvshmem.plugin finds PLUGIN (or, without one, says not-present with the fix).
 text: the checklist has a line per check, the summary, and the same exit status rule.
@@ -32,7 +32,7 @@ KNOWN = [
     "rdma.devices", "rdma.nic_affinity", "rdma.gpudirect", "rdma.gdrcopy",
     "rdma.ibgda_driver_options",
     "nvshmem.library", "nvshmem.plugin", "nvshmem.transports", "nvshmem.bootstrap",
-    "env.epx", "env.nvshmem", "env.buffer_fit",
+    "env.epx", "env.nvshmem", "env.buffer_fit", "env.ll_buffer_fit",
     "smoke.run", "smoke.dispatch", "smoke.combine",
 ]
 # Always reported, whatever the machine has.
@@ -40,7 +40,8 @@ REQUIRED = [
     "epx.build", "gpu.driver", "gpu.runtime", "gpu.devices", "gpu.links",
     "gpu.peer_access", "gpu.mps", "gpu.ipc", "rdma.devices", "rdma.gdrcopy",
     "rdma.ibgda_driver_options", "nvshmem.library", "nvshmem.plugin", "nvshmem.transports",
-    "nvshmem.bootstrap", "env.epx", "env.nvshmem", "env.buffer_fit", "smoke.run",
+    "nvshmem.bootstrap", "env.epx", "env.nvshmem", "env.buffer_fit", "env.ll_buffer_fit",
+    "smoke.run",
 ]
 
 
@@ -100,16 +101,18 @@ def check_common(checks, returncode):
 
 
 def read_json(out, err):
-    lines = out.splitlines()
-    if not lines:
+    """The document's check objects and its summary."""
+    if not out.strip():
         fail("no output; stderr: " + err)
-    objects = []
-    for number, line in enumerate(lines, 1):
-        try:
-            objects.append(json.loads(line))
-        except ValueError as error:
-            fail("line %d is not JSON (%s): %r" % (number, error, line))
-    return objects
+    try:
+        document = json.loads(out)
+    except ValueError as error:
+        fail("the output is not one JSON document (%s): %r" % (error, out[:2000]))
+    if not isinstance(document, dict) or sorted(document) != ["checks", "summary"]:
+        fail("the document should have exactly checks and summary: %r" % document)
+    if not isinstance(document["checks"], list) or not isinstance(document["summary"], dict):
+        fail("checks is not a list or summary not an object: %r" % document)
+    return document["checks"], document["summary"]
 
 
 def find_check(objects, name):
@@ -117,6 +120,23 @@ def find_check(objects, name):
         if obj.get("check") == name:
             return obj
     fail("check %r missing" % name)
+
+
+def check_buffer_fit(objects):
+    """env.buffer_fit and env.ll_buffer_fit name their shape and the memory they need."""
+    for name, words in (("env.buffer_fit", "4096 tokens/rank"),
+                        ("env.ll_buffer_fit", "low-latency mode, 128 tokens/rank (fp8 rows)")):
+        line = find_check(objects, name)
+        if line["status"] == "fail" and "refused" in line["detail"]:
+            fail("the standard %s shape is refused: %r" % (name, line))
+        if words not in line["detail"]:
+            fail("%s does not name its shape (%r): %r" % (name, words, line))
+    ll_line = find_check(objects, "env.ll_buffer_fit")
+    if ll_line["status"] in ("pass", "warn") and "on the CPU backend" in ll_line["detail"]:
+        # The CPU low-latency benchmark needs about 1.83 GiB of /dev/shm per rank.
+        match = re.search(r"\(([0-9.]+) GiB per rank\)", ll_line["detail"])
+        if not match or not 1.5 < float(match.group(1)) < 2.5:
+            fail("env.ll_buffer_fit should say about 1.8 GiB per rank: %r" % ll_line)
 
 
 def cuda_built(objects):
@@ -156,10 +176,10 @@ def check_plugin_missing(line):
 
 def check_json(epx, plugin):
     returncode, out, err = run(epx, ["--json"])
-    objects = read_json(out, err)
+    objects, summary = read_json(out, err)
     checks = []
-    for obj in objects[:-1]:
-        if obj.get("type") != "check":
+    for obj in objects:
+        if sorted(obj) != ["check", "detail", "fix", "status"]:
             fail("not a check object: %r" % obj)
         for key in ("check", "status", "detail", "fix"):
             if not isinstance(obj.get(key), str):
@@ -169,9 +189,6 @@ def check_json(epx, plugin):
         if obj["status"] in ("warn", "fail") and not obj["fix"]:
             fail("a %s line without a fix: %r" % (obj["status"], obj))
         checks.append((obj["check"], obj["status"]))
-    summary = objects[-1]
-    if summary.get("type") != "summary":
-        fail("the last line is not the summary: %r" % summary)
     for status in STATUSES:
         count = sum(1 for _, s in checks if s == status)
         if summary.get(status) != count:
@@ -181,6 +198,7 @@ def check_json(epx, plugin):
              % (summary.get("exit_status"), returncode))
     check_common(checks, returncode)
     check_plugin_line(objects, plugin)
+    check_buffer_fit(objects)
     print("check_doctor: json: %d checks, exit status %d: %s"
           % (len(checks), returncode,
              ", ".join("%d %s" % (summary[s], s) for s in sorted(STATUSES))))
@@ -204,11 +222,11 @@ def check_text(epx):
 
 def check_plugin(epx, plugin):
     _, out, err = run(epx, ["--json", "--no-smoke"], from_path=True)
-    objects = read_json(out, err)
+    objects, _ = read_json(out, err)
     check_plugin_line(objects, plugin)
     found = find_check(objects, "nvshmem.plugin")
     _, out, err = run(epx, ["--json", "--no-smoke"], {"EPX_NVSHMEM_PLUGIN": "/nonexistent"})
-    objects = read_json(out, err)
+    objects, _ = read_json(out, err)
     missing = find_check(objects, "nvshmem.plugin")
     if cuda_built(objects):
         check_plugin_missing(missing)

@@ -94,6 +94,10 @@ launch_timeout)
     expect_rc 124
     expect_fast 10
     expect_err 'ranks still running: 1$'
+    # Without --timeout there is no overall limit (a training job runs for days).
+    run "$EPX" launch --help
+    expect_rc 0
+    expect_out 'default: no limit'
     ;;
 launch_forward_signal)
     "$EPX" launch -n 2 -- sh -c 'trap "echo term; exit 5" TERM; echo ready; sleep 60 & wait' \

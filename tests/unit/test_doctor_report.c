@@ -99,23 +99,46 @@ static void test_report_and_printers(void)
     epx__doctor_add(&report, "env.epx", EPX__DOCTOR_PASS, NULL, "%s", long_detail);
     CHECK_EQ_INT(strlen(report.lines[5].detail), EPX__DOCTOR_DETAIL_MAX - 1);
 
+    /* JSON: one document, printed in two parts as the checks finish, then the summary. */
     FILE *file = tmpfile();
     CHECK(file != NULL);
-    epx__doctor_print_json(file, &report, 1);
+    epx__doctor_print_json_start(file);
+    epx__doctor_print_json(file, &report, 0);
+    epx__doctor_add(&report, "smoke.run", EPX__DOCTOR_PASS, NULL, "late");
+    epx__doctor_print_json(file, &report, 6);
     epx__doctor_print_summary_json(file, &report);
     char *text = read_all(file);
-    /* Lines 1.. only, one object each, then the summary. */
-    CHECK(strstr(text, "gpu.driver") == NULL);
-    CHECK(strncmp(text, "{\"type\":\"check\",\"check\":\"gpu.mps\",\"status\":\"warn\","
-                        "\"detail\":\"8 ranks\",\"fix\":\"start \\\"MPS\\\"\"}\n",
-                  strlen("{\"type\":\"check\",\"check\":\"gpu.mps\"")) == 0);
-    CHECK(strstr(text, "\"detail\":\"line one\\nline two\",\"fix\":\"fix it\"}\n") != NULL);
-    CHECK(strstr(text, "{\"type\":\"summary\",\"pass\":1,\"warn\":1,\"fail\":2,"
-                       "\"not-present\":1,\"skip\":1,\"lost\":0,\"exit_status\":1}\n") != NULL);
-    int newlines = 0;
-    for (const char *p = text; *p != '\0'; p++)
-        newlines += *p == '\n';
-    CHECK_EQ_INT(newlines, report.count - 1 + 1);
+    CHECK(strncmp(text,
+                  "{\"checks\":[\n"
+                  "{\"check\":\"gpu.driver\",\"status\":\"not-present\",\"detail\":\"no driver: "
+                  "libcuda.so.1 missing\",\"fix\":\"\"},\n"
+                  "{\"check\":\"gpu.mps\",\"status\":\"warn\",\"detail\":\"8 ranks\",\"fix\":"
+                  "\"start \\\"MPS\\\"\"},\n",
+                  strlen("{\"checks\":[\n{\"check\":\"gpu.driver\"")) == 0);
+    CHECK(strstr(text, "{\"check\":\"gpu.mps\",\"status\":\"warn\",\"detail\":\"8 ranks\","
+                       "\"fix\":\"start \\\"MPS\\\"\"},\n") != NULL);
+    CHECK(strstr(text, "\"detail\":\"line one\\nline two\",\"fix\":\"fix it\"},\n") != NULL);
+    /* The check added after the first part follows with a comma; no comma before "]". */
+    CHECK(strstr(text, "},\n{\"check\":\"smoke.run\",\"status\":\"pass\",\"detail\":\"late\","
+                       "\"fix\":\"\"}\n],\n\"summary\":{\"pass\":2,\"warn\":1,\"fail\":2,"
+                       "\"not-present\":1,\"skip\":1,\"lost\":0,\"exit_status\":1}}\n") != NULL);
+    int objects = 0;
+    for (const char *p = text; (p = strstr(p, "{\"check\":")) != NULL; p++)
+        objects++;
+    CHECK_EQ_INT(objects, report.count);
+    CHECK_EQ_INT(text[strlen(text) - 1], '\n');
+    fclose(file);
+
+    /* No checks at all: still one valid document. */
+    epx__doctor_report_t empty = EPX__DOCTOR_REPORT_INIT;
+    file = tmpfile();
+    CHECK(file != NULL);
+    epx__doctor_print_json_start(file);
+    epx__doctor_print_json(file, &empty, 0);
+    epx__doctor_print_summary_json(file, &empty);
+    CHECK(strcmp(read_all(file), "{\"checks\":[\n],\n\"summary\":{\"pass\":0,\"warn\":0,"
+                                 "\"fail\":0,\"not-present\":0,\"skip\":0,\"lost\":0,"
+                                 "\"exit_status\":0}}\n") == 0);
     fclose(file);
 
     file = tmpfile();
@@ -128,7 +151,7 @@ static void test_report_and_printers(void)
     CHECK(strstr(text, "fix: start \"MPS\"\n") != NULL);
     /* The second line of a detail is indented under the first. */
     CHECK(strstr(text, "line one\n                                         line two\n") != NULL);
-    CHECK(strstr(text, "summary: 1 pass, 1 warn, 2 fail, 1 not present, 1 skipped") != NULL);
+    CHECK(strstr(text, "summary: 2 pass, 1 warn, 2 fail, 1 not present, 1 skipped") != NULL);
     CHECK(strstr(text, "some checks failed") != NULL);
     fclose(file);
     epx__doctor_report_free(&report);

@@ -31,13 +31,16 @@ static const char doctor_usage[] =
     "Exit status 0 when nothing fails, 1 otherwise. docs/DEPLOYMENT.md explains each line.\n"
     "\n"
     "options:\n"
-    "  --json           one JSON object per line (type \"check\", then a \"summary\")\n"
+    "  --json           one JSON document: {\"checks\": [{\"check\", \"status\", \"detail\",\n"
+    "                   \"fix\"}, ...], \"summary\": {counts per status, \"exit_status\"}}\n"
     "  --ranks N        ranks to plan for (smoke run, MPS and buffer checks); default: one\n"
     "                   per GPU, 2 on one GPU or on the CPU backend (8 for the buffer check)\n"
     "  --tokens N       max tokens per rank of the buffer to check (4096)\n"
     "  --hidden N       hidden size of the buffer to check (7168)\n"
     "  --experts N      experts over all ranks (256)\n"
     "  --topk N         experts per token (8)\n"
+    "  --ll-tokens N    low-latency tokens per rank of the buffer to check (128, the\n"
+    "                   standard low-latency case; 0 = do not check low-latency mode)\n"
     "  --no-smoke       skip the measured dispatch/combine run\n"
     "  --timeout S      limit for each check that runs in a child process (60)\n"
     "  -h, --help       this text\n";
@@ -84,6 +87,9 @@ static int parse_options(int argc, char **argv, epx__doctor_context_t *context, 
             if (matched < 0 || epx__parse_int64(value, 1, 1 << 20, &number) != 0)
                 return usage_error("--topk needs a number >= 1, got '%s'", value);
             context->topk = (int)number;
+        } else if ((matched = epx__match_value(argc, argv, &i, "--ll-tokens", &value)) != 0) {
+            if (matched < 0 || epx__parse_int64(value, 0, 65536, &context->ll_tokens) != 0)
+                return usage_error("--ll-tokens needs a number in [0, 65536], got '%s'", value);
         } else if ((matched = epx__match_value(argc, argv, &i, "--timeout", &value)) != 0) {
             if (matched < 0 || epx__parse_double(value, 10, 3600, &context->timeout_s) != 0)
                 return usage_error("--timeout needs seconds in [10, 3600], got '%s'", value);
@@ -117,6 +123,7 @@ int epx__command_doctor(int argc, char **argv)
     context.hidden = 7168;
     context.experts = 256;
     context.topk = 8;
+    context.ll_tokens = 128;
     context.timeout_s = 60.0;
     int json = 0;
     int parsed = parse_options(argc, argv, &context, &json);
@@ -135,7 +142,9 @@ int epx__command_doctor(int argc, char **argv)
         epx__doctor_check_smoke,
     };
     epx__doctor_report_t report = EPX__DOCTOR_REPORT_INIT;
-    if (!json)
+    if (json)
+        epx__doctor_print_json_start(stdout);
+    else
         printf("epx doctor: will epx work on this machine, and at full speed?\n\n");
     add_build_line(&report);
     int printed = 0;

@@ -48,6 +48,7 @@ typedef struct {
     int64_t hidden;
     int experts;
     int topk;
+    int64_t ll_tokens; /* --ll-tokens: the low-latency buffer to check (128); 0 = none */
     double timeout_s; /* per check that runs in a child */
     char self_path[4096]; /* this executable, for the smoke run */
 

@@ -166,6 +166,8 @@ typedef struct {
     int world;
     epx_backend_t backend;
     const epx__doctor_context_t *context;
+    int64_t tokens;    /* max_tokens_per_rank */
+    int64_t ll_tokens; /* max_low_latency_tokens; 0 = normal mode only */
 } size_arg_t;
 
 typedef struct {
@@ -184,10 +186,13 @@ static void compute_size(epx__doctor_report_t *report, void *arg, void *facts_ou
     const size_arg_t *size = arg;
     size_facts_t *facts = facts_out;
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-    config.max_tokens_per_rank = size->context->tokens;
+    config.max_tokens_per_rank = size->tokens;
     config.hidden = size->context->hidden;
     config.num_experts = size->context->experts;
     config.num_topk = size->context->topk;
+    /* Low-latency rows sized for fp8, as `epx bench --mode ll` does for its standard case. */
+    config.max_low_latency_tokens = size->ll_tokens;
+    config.low_latency_dtype = EPX_DTYPE_FP8_E4M3;
     size_t bytes = 0;
     epx_status_t status = epx_buffer_size_plan(size->backend, size->world, 0, &config, &bytes);
     facts->ok = status == EPX_SUCCESS;
@@ -197,25 +202,41 @@ static void compute_size(epx__doctor_report_t *report, void *arg, void *facts_ou
                  epx_last_error());
 }
 
-static void check_buffer_fit(epx__doctor_report_t *report, const epx__doctor_context_t *context)
+/*
+ * Whether one buffer fits: `name` is env.buffer_fit (normal mode: --tokens per rank) or
+ * env.ll_buffer_fit (low-latency mode: a buffer of --ll-tokens for both modes, rows sized
+ * for fp8, the shape `epx bench --mode ll` measures).
+ */
+static void check_buffer_fit(epx__doctor_report_t *report, const epx__doctor_context_t *context,
+                             const char *name, int64_t tokens, int64_t ll_tokens)
 {
     const epx__doctor_gpu_facts_t *gpu = &context->gpu;
     int world = context->ranks > 0 ? context->ranks : 8; /* the standard case has 8 ranks */
-    size_arg_t arg = {world, EPX_BACKEND_HOST, context};
+    size_arg_t arg = {world, EPX_BACKEND_HOST, context, tokens, ll_tokens};
 #ifdef EPX_WITH_CUDA
     if (gpu->gpu_count > 0)
         arg.backend = EPX_BACKEND_CUDA;
 #endif
     size_facts_t facts;
-    if (epx__doctor_run_child(report, "env.buffer_fit", context->timeout_s, compute_size, &arg,
-                              &facts, sizeof(facts)) != EPX__DOCTOR_CHILD_DONE)
+    if (epx__doctor_run_child(report, name, context->timeout_s, compute_size, &arg, &facts,
+                              sizeof(facts)) != EPX__DOCTOR_CHILD_DONE)
         return;
-    char shape[200];
-    snprintf(shape, sizeof(shape), "%lld tokens/rank, hidden %lld, top-%d of %d experts, %d ranks",
-             (long long)context->tokens, (long long)context->hidden, context->topk,
-             context->experts, world);
+    char shape[240];
+    if (ll_tokens > 0)
+        snprintf(shape, sizeof(shape),
+                 "low-latency mode, %lld tokens/rank (fp8 rows), hidden %lld, top-%d of %d "
+                 "experts, %d ranks",
+                 (long long)ll_tokens, (long long)context->hidden, context->topk,
+                 context->experts, world);
+    else
+        snprintf(shape, sizeof(shape),
+                 "%lld tokens/rank, hidden %lld, top-%d of %d experts, %d ranks",
+                 (long long)tokens, (long long)context->hidden, context->topk, context->experts,
+                 world);
+    const char *smaller = ll_tokens > 0 ? "--ll-tokens" : "--tokens";
+    char fix[200];
     if (!facts.ok) {
-        epx__doctor_add(report, "env.buffer_fit", EPX__DOCTOR_FAIL,
+        epx__doctor_add(report, name, EPX__DOCTOR_FAIL,
                         "choose a shape epx accepts (the message says which value is wrong)",
                         "the buffer for %s is refused: %s", shape, facts.error);
         return;
@@ -230,15 +251,15 @@ static void check_buffer_fit(epx__doctor_report_t *report, const epx__doctor_con
         }
         epx__doctor_format_bytes(need, need_text, sizeof(need_text));
         if (have == (uint64_t)-1) {
-            epx__doctor_add(report, "env.buffer_fit", EPX__DOCTOR_SKIP, NULL,
+            epx__doctor_add(report, name, EPX__DOCTOR_SKIP, NULL,
                             "%s needs %s per GPU; free GPU memory unknown", shape, need_text);
             return;
         }
         epx__doctor_format_bytes(have, have_text, sizeof(have_text));
-        epx__doctor_add(report, "env.buffer_fit", need <= have ? EPX__DOCTOR_PASS : EPX__DOCTOR_FAIL,
-                        need <= have ? NULL
-                                     : "lower --tokens (max_tokens_per_rank), run fewer ranks per "
-                                       "GPU, or free GPU memory",
+        snprintf(fix, sizeof(fix), "use a smaller %s, run fewer ranks per GPU, or free GPU memory",
+                 smaller);
+        epx__doctor_add(report, name, need <= have ? EPX__DOCTOR_PASS : EPX__DOCTOR_FAIL,
+                        need <= have ? NULL : fix,
                         "%s: the buffer takes %s per GPU (%d rank%s x %llu bytes), %s free on the "
                         "fullest GPU%s",
                         shape, need_text, per_gpu, per_gpu == 1 ? "" : "s",
@@ -251,24 +272,35 @@ static void check_buffer_fit(epx__doctor_report_t *report, const epx__doctor_con
     struct statvfs shm;
     epx__doctor_format_bytes(need, need_text, sizeof(need_text));
     if (statvfs("/dev/shm", &shm) != 0) {
-        epx__doctor_add(report, "env.buffer_fit", EPX__DOCTOR_SKIP, NULL,
+        epx__doctor_add(report, name, EPX__DOCTOR_SKIP, NULL,
                         "%s needs %s of shared memory (CPU backend); /dev/shm not found", shape,
                         need_text);
         return;
     }
     uint64_t have = (uint64_t)shm.f_bavail * (uint64_t)shm.f_frsize;
+    char per_rank[32];
+    epx__doctor_format_bytes(facts.bytes, per_rank, sizeof(per_rank));
     epx__doctor_format_bytes(have, have_text, sizeof(have_text));
-    epx__doctor_add(report, "env.buffer_fit", need <= have ? EPX__DOCTOR_PASS : EPX__DOCTOR_WARN,
-                    need <= have ? NULL
-                                 : "the CPU backend needs more /dev/shm: enlarge it (docker "
-                                   "--shm-size) or use a smaller --tokens",
-                    "%s on the CPU backend: %s of shared memory, %s free in /dev/shm", shape,
-                    need_text, have_text);
+    snprintf(fix, sizeof(fix),
+             "the CPU backend needs more /dev/shm: enlarge it (docker --shm-size) or use a "
+             "smaller %s or --ranks",
+             smaller);
+    epx__doctor_add(report, name, need <= have ? EPX__DOCTOR_PASS : EPX__DOCTOR_WARN,
+                    need <= have ? NULL : fix,
+                    "%s on the CPU backend: %s of shared memory (%s per rank), %s free in "
+                    "/dev/shm",
+                    shape, need_text, per_rank, have_text);
 }
 
 void epx__doctor_check_env(epx__doctor_report_t *report, epx__doctor_context_t *context)
 {
     check_epx_params(report);
     check_nvshmem_env(report, context);
-    check_buffer_fit(report, context);
+    check_buffer_fit(report, context, "env.buffer_fit", context->tokens, 0);
+    if (context->ll_tokens > 0)
+        check_buffer_fit(report, context, "env.ll_buffer_fit", context->ll_tokens,
+                         context->ll_tokens);
+    else
+        epx__doctor_add(report, "env.ll_buffer_fit", EPX__DOCTOR_SKIP, NULL,
+                        "low-latency mode not checked (--ll-tokens 0)");
 }

@@ -257,8 +257,8 @@ static void check_ll_plugin(epx__doctor_report_t *report, const epx__doctor_cont
         if (forced[0] != '\0')
             snprintf(where, sizeof(where), "EPX_NVSHMEM_PLUGIN=%s", forced);
         else
-            snprintf(where, sizeof(where), "looked beside libepx, in the build directory and "
-                                           "on the loader's path");
+            snprintf(where, sizeof(where), "looked beside libepx, in the build directory (from "
+                                           "a build tree) and on the loader's path");
         epx__doctor_add(report, "nvshmem.plugin", EPX__DOCTOR_NOT_PRESENT, LL_PLUGIN_FIX,
                         "%s not found (%s), so low-latency mode on GPUs is unavailable\n"
                         "epx says: %s",

@@ -183,11 +183,17 @@ static void print_json_field(FILE *out, const char *key, const char *value)
 
 /* ---------------------------------------------------------------- printers */
 
+void epx__doctor_print_json_start(FILE *out)
+{
+    fputs("{\"checks\":[\n", out);
+    fflush(out);
+}
+
 void epx__doctor_print_json(FILE *out, const epx__doctor_report_t *report, int first)
 {
     for (int i = first < 0 ? 0 : first; i < report->count; i++) {
         const epx__doctor_line_t *line = &report->lines[i];
-        fputs("{\"type\":\"check\",", out);
+        fputs(i > 0 ? ",\n{" : "{", out);
         print_json_field(out, "check", line->name);
         fputc(',', out);
         print_json_field(out, "status", epx__doctor_status_name(line->status));
@@ -195,7 +201,7 @@ void epx__doctor_print_json(FILE *out, const epx__doctor_report_t *report, int f
         print_json_field(out, "detail", line->detail);
         fputc(',', out);
         print_json_field(out, "fix", line->fix);
-        fputs("}\n", out);
+        fputc('}', out);
     }
     fflush(out);
 }
@@ -252,8 +258,9 @@ void epx__doctor_print_summary_text(FILE *out, const epx__doctor_report_t *repor
 void epx__doctor_print_summary_json(FILE *out, const epx__doctor_report_t *report)
 {
     fprintf(out,
-            "{\"type\":\"summary\",\"pass\":%d,\"warn\":%d,\"fail\":%d,\"not-present\":%d,"
-            "\"skip\":%d,\"lost\":%d,\"exit_status\":%d}\n",
+            "%s],\n\"summary\":{\"pass\":%d,\"warn\":%d,\"fail\":%d,\"not-present\":%d,"
+            "\"skip\":%d,\"lost\":%d,\"exit_status\":%d}}\n",
+            report->count > 0 ? "\n" : "",
             epx__doctor_count(report, EPX__DOCTOR_PASS), epx__doctor_count(report, EPX__DOCTOR_WARN),
             epx__doctor_count(report, EPX__DOCTOR_FAIL),
             epx__doctor_count(report, EPX__DOCTOR_NOT_PRESENT),

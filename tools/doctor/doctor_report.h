@@ -1,7 +1,6 @@
 /*
  * `epx doctor` results: one line per check (name, status, detail, fix) and the two ways
- * of printing them, a text checklist for people and one JSON object per line for
- * programs. Lines are fixed-size records so that a check run in a child process can
+ * of printing them, a text checklist for people and one JSON document for programs. Lines are fixed-size records so that a check run in a child process can
  * send them back through a pipe unchanged.
  */
 #ifndef EPX_TOOLS_DOCTOR_REPORT_H
@@ -60,8 +59,20 @@ int epx__doctor_count(const epx__doctor_report_t *report, epx__doctor_status_t s
 /* 0 when no line failed, else 1 (the exit status of `epx doctor`). */
 int epx__doctor_exit_status(const epx__doctor_report_t *report);
 
-/* Lines [first, report->count) as a checklist / as JSON objects, one per line. */
+/*
+ * Lines [first, report->count) as a checklist / as JSON. The JSON output is one document,
+ * printed as the checks finish (one check per line):
+ *   {"checks": [
+ *   {"check": NAME, "status": STATUS, "detail": TEXT, "fix": TEXT},
+ *   ...
+ *   ],
+ *   "summary": {"pass": N, "warn": N, "fail": N, "not-present": N, "skip": N, "lost": N,
+ *               "exit_status": 0 or 1}}
+ * print_json_start opens it, print_json adds checks (a comma before every check but the
+ * document's first), print_summary_json closes it.
+ */
 void epx__doctor_print_text(FILE *out, const epx__doctor_report_t *report, int first);
+void epx__doctor_print_json_start(FILE *out);
 void epx__doctor_print_json(FILE *out, const epx__doctor_report_t *report, int first);
 /* The closing summary: counts per status and the exit status. */
 void epx__doctor_print_summary_text(FILE *out, const epx__doctor_report_t *report);

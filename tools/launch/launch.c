@@ -37,7 +37,7 @@ static const char launch_usage[] =
     "options:\n"
     "  -n, --nproc N          number of ranks (required)\n"
     "  --timeout SECONDS      stop every rank and exit 124 after this long\n"
-    "                         (default 600; 0 = no limit)\n"
+    "                         (default: no limit; 0 = no limit)\n"
     "  --ranks-per-node M     set EPX_RANKS_PER_NODE=M (virtual nodes for tests)\n"
     "  --backend B            set EPX_BACKEND=B (auto, host or cuda)\n"
     "  --mps                  run a CUDA MPS daemon for the ranks (needs " MPS_CONTROL ")\n"

@@ -22,7 +22,8 @@ typedef struct {
     char *const *argv;      /* program and arguments, NULL-terminated */
 } epx__launch_options_t;
 
-#define EPX__LAUNCH_OPTIONS_INIT {0, 0, 600.0, 0, NULL, 1, NULL}
+/* No overall time limit unless asked for (--timeout): a training job runs for days. */
+#define EPX__LAUNCH_OPTIONS_INIT {0, 0, 0.0, 0, NULL, 1, NULL}
 
 /*
  * Make a unique id, start the MPS daemon if asked, run the ranks and supervise them.

@@ -27,7 +27,27 @@ static struct {
     int saw_failure;   /* a user ended with a failed or masked peer */
 } nv;
 
-/* Candidates: EPX_NVSHMEM_PLUGIN, beside the code of libepx, the build directory. */
+#ifdef EPX_PLUGIN_BUILD_DIR
+/* Nonzero when `directory` is the build directory or inside it: code running from the
+ * build tree (libepx.so, the tests that link libepx statically) may use the build's
+ * plugin, while an installed copy (whose build directory may hold a newer build, or be
+ * gone) must not look there. */
+static int inside_build_dir(const char *directory)
+{
+    char real_dir[PATH_MAX], real_build[PATH_MAX];
+    if (realpath(directory, real_dir) == NULL || realpath(EPX_PLUGIN_BUILD_DIR, real_build) == NULL)
+        return 0;
+    size_t length = strlen(real_build);
+    return strncmp(real_dir, real_build, length) == 0 &&
+           (real_dir[length] == '\0' || real_dir[length] == '/');
+}
+#endif
+
+/*
+ * Candidates: EPX_NVSHMEM_PLUGIN; beside the code of libepx (libepx.so, or a program that
+ * links it statically); the build directory, for code running from inside it; the
+ * loader's search by name (LD_LIBRARY_PATH, the caller's run path).
+ */
 static epx_status_t load_plugin(void)
 {
     if (nv.host != NULL)
@@ -39,14 +59,28 @@ static epx_status_t load_plugin(void)
         snprintf(candidates[n++], PATH_MAX, "%s", forced);
     } else {
         Dl_info info;
-        if (dladdr((void *)load_plugin, &info) != 0 && info.dli_fname != NULL) {
-            const char *slash = strrchr(info.dli_fname, '/');
-            int dir = slash == NULL ? 0 : (int)(slash - info.dli_fname);
-            snprintf(candidates[n++], PATH_MAX, "%.*s%s%s", dir, info.dli_fname,
-                     dir > 0 ? "/" : "", EPX_NVSHMEM_PLUGIN_FILE);
+        char code[PATH_MAX] = "";
+        if (dladdr((void *)load_plugin, &info) != 0 && info.dli_fname != NULL)
+            snprintf(code, sizeof(code), "%s", info.dli_fname);
+        /* For a program (static libepx) the loader reports argv[0], which has no slash
+         * when the program was found through PATH: ask the kernel where it is. */
+        if (strchr(code, '/') == NULL) {
+            ssize_t length = readlink("/proc/self/exe", code, sizeof(code) - 1);
+            code[length > 0 ? length : 0] = '\0';
         }
+        char *slash = strrchr(code, '/');
+        if (slash != NULL) {
+            *slash = '\0'; /* code is now its directory */
+            snprintf(candidates[n++], PATH_MAX, "%s/%s", slash == code ? "" : code,
+                     EPX_NVSHMEM_PLUGIN_FILE);
+        }
+        const char *code_dir = slash != NULL ? code : "";
 #ifdef EPX_PLUGIN_BUILD_DIR
-        snprintf(candidates[n++], PATH_MAX, "%s/%s", EPX_PLUGIN_BUILD_DIR, EPX_NVSHMEM_PLUGIN_FILE);
+        if (inside_build_dir(code_dir))
+            snprintf(candidates[n++], PATH_MAX, "%s/%s", EPX_PLUGIN_BUILD_DIR,
+                     EPX_NVSHMEM_PLUGIN_FILE);
+#else
+        (void)code_dir;
 #endif
         snprintf(candidates[n++], PATH_MAX, "%s", EPX_NVSHMEM_PLUGIN_FILE);
     }
@@ -79,13 +113,20 @@ static epx_status_t load_plugin(void)
         }
         nv.library = library;
         nv.host = host;
-        memcpy(nv.path, candidates[i], sizeof(nv.path));
+        /* Found by name: report the file the loader chose. */
+        Dl_info found;
+        const char *path = candidates[i];
+        if (dladdr(*(void **)(&entry), &found) != 0 && found.dli_fname != NULL)
+            path = found.dli_fname;
+        snprintf(nv.path, sizeof(nv.path), "%.*s", (int)sizeof(nv.path) - 1, path);
         return EPX_SUCCESS;
     }
     if (present)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "buffer: low-latency mode on the CUDA backend: %s is there but does "
-                         "not load (looked in: %s): %s",
+                         "not load (looked in: %s): %s (a missing libnvshmem_host.so.3 is "
+                         "NVSHMEM's runtime: pip install nvidia-nvshmem-cu13, the version the "
+                         "plugin was built with, or put its lib/ on LD_LIBRARY_PATH)",
                          EPX_NVSHMEM_PLUGIN_FILE, looked, reason);
     return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                      "buffer: low-latency mode on the CUDA backend needs %s (built when NVSHMEM "
