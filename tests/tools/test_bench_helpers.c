@@ -105,19 +105,35 @@ static void test_statistics(void)
 
 static void test_floor(void)
 {
+    /* Dispatch: source tokens read once, received rows written once; combine: received
+     * rows read once, output rows (and per-token routing) written/read once. */
+    CHECK(epx__bench_dispatch_floor_bytes(10, 100, 30, 90) == 10 * 100 + 30 * 90);
+    CHECK(epx__bench_combine_floor_bytes(10, 12, 30, 200) == 30 * 200 + 10 * (200 + 12));
+    /* The standard normal case, bf16: 8 x 4096 tokens of 14336 bytes; about 5.3 of the 8
+     * ranks get each token. Its floor at 4250 GB/s is about 695 us. */
+    int64_t received = 8 * 4096 * 53 / 10;
+    int64_t bytes = epx__bench_dispatch_floor_bytes(8 * 4096, 14336, received, 14336);
     epx__bench_context_t context;
     memset(&context, 0, sizeof(context));
     context.floor_bw_gbps = 4250;
     epx__bench_row_t row;
     memset(&row, 0, sizeof(row));
-    row.bytes_per_rank = 1000;
-    row.total_bytes = 8500000000LL; /* 8.5 GB read and written at 4250 GB/s: 4 ms */
-    CHECK(fabs(epx__bench_floor_us(&context, &row) - 4000.0) < 1e-6);
-    row.bytes_per_rank = 0; /* layout: no payload, no floor */
+    row.floor_bytes = bytes;
+    double floor_us = epx__bench_floor_us(&context, &row);
+    CHECK(floor_us > 680 && floor_us < 710);
+    row.floor_bytes = 8500000000LL; /* 8.5 GB moved at 4250 GB/s: 2 ms */
+    CHECK(fabs(epx__bench_floor_us(&context, &row) - 2000.0) < 1e-6);
+    row.floor_bytes = 0; /* layout, the send and receive halves: no floor */
     CHECK(isnan(epx__bench_floor_us(&context, &row)));
-    row.bytes_per_rank = 1000;
+    row.floor_bytes = 1000;
     context.floor_bw_gbps = 0;
     CHECK(isnan(epx__bench_floor_us(&context, &row)));
+    /* floor/time: 1.0 at the floor, 0.5 at twice its time; unknown stays unknown. */
+    CHECK(epx__bench_floor_over_time(100.0, 200.0) == 0.5);
+    CHECK(epx__bench_floor_over_time(100.0, 100.0) == 1.0);
+    CHECK(isnan(epx__bench_floor_over_time(NAN, 100.0)));
+    CHECK(isnan(epx__bench_floor_over_time(100.0, 0.0)));
+    CHECK(isnan(epx__bench_floor_over_time(100.0, NAN)));
 }
 
 /* Low-latency mode: mean, statistics that leave their input alone, the copy time. */

@@ -211,11 +211,25 @@ bench_bad_flag)
     run "$EPX" bench --ll-dtype bf16
     expect_rc 2
     expect_err '--ll-dtype needs --mode ll'
+    # A shape epx refuses is found once, before any rank starts and before the header.
+    run "$EPX" bench -n 2 --topk 300
+    expect_rc 2
+    expect_count 'epx bench: these options give a buffer epx refuses for 2 ranks: EPX_ERR_INVALID_ARG: .*num_topk is 300' err 1
+    expect_count '\[rank' err 0
+    expect_count '.' out 0
+    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
+    expect_rc 2
+    expect_count 'epx bench: these options give a buffer epx refuses for 2 ranks: .*num_experts is 7' err 1
+    expect_count '.' out 0
     ;;
 bench_check)
     run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check
     expect_rc 0
-    expect_out '^# epx bench: backend host, 2 ranks, tokens 64 hidden 256 experts 8 topk 2'
+    expect_out '^# epx bench: backend host, 2 ranks, tokens 64 hidden 256 experts 8 topk 2 alignment 1 seed 1, warmup'
+    # The floor's definition once; no GPU-only fields on the CPU backend.
+    expect_count '^# floor: the bytes all ranks must read and write' out 1
+    expect_count '^# floor/time = floor_us / the slowest' out 1
+    expect_count 'SMs' out 0
     expect_count ' PASS$' out 10
     expect_count 'FAIL' out 0
     for op in layout dispatch cached_dispatch combine combine_copy; do
@@ -240,14 +254,29 @@ assert len(rows) == 10, rows
 for row in rows:
     assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
     assert row["check"] == "PASS", row
+    assert row["sms"] is None and "pct_of_floor" not in row, row  # CPU backend: no SM budget
     assert row["median_us"] > 0 and row["p99_us"] >= row["median_us"], row
     # Per iteration the slowest rank took at least as long as rank 0.
     assert row["slowest_median_us"] >= row["median_us"], row
     if row["op"] == "layout":
         assert row["bytes_per_rank"] == 0 and row["floor_us"] is None, row
-    else:
-        assert row["bytes_per_rank"] > 0 and row["total_bytes"] >= row["bytes_per_rank"], row
-        assert row["gbps_per_rank"] > 0 and row["floor_us"] > 0, row
+        assert row["floor_bytes"] == 0 and row["floor_over_time"] is None, row
+        continue
+    assert row["bytes_per_rank"] > 0 and row["total_bytes"] >= row["bytes_per_rank"], row
+    assert row["gbps_per_rank"] > 0 and row["floor_us"] > 0, row
+    # floor/time: the floor over the slowest rank's median.
+    ratio = row["floor_us"] / row["slowest_median_us"]
+    assert abs(row["floor_over_time"] - ratio) <= 1e-4 * ratio, row
+    # Floors: 3 ranks x 64 source tokens read once, each received row written once
+    # (hidden 256, top-2: ids int64 + weights fp32 = 24 bytes of routing per row).
+    x_row = 256 * (2 if row["dtype"] == "bf16" else 1) + (0 if row["dtype"] == "bf16" else 2 * 4)
+    received = row["total_bytes"] // (x_row if "dispatch" in row["op"] else 512)
+    if row["op"] == "dispatch":
+        assert row["floor_bytes"] == (3 * 64 + received) * (x_row + 24), row
+    elif row["op"] == "cached_dispatch":
+        assert row["floor_bytes"] == (3 * 64 + received) * x_row, row
+    else:  # combine: each received row read, each output row written
+        assert row["floor_bytes"] == (received + 3 * 64) * 512, row
 assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
     (d, o) for d in ("bf16", "fp8")
     for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy"))
@@ -327,22 +356,25 @@ bench_ll_check)
     run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype all \
         --check --iters 3
     expect_rc 0
-    expect_out '^# epx bench --mode ll: backend host, 2 ranks, tokens 16 hidden 512 experts 8 topk 4'
+    expect_out '^# epx bench --mode ll: backend host, 2 ranks, tokens 16 hidden 512 experts 8 topk 4 seed 1, warmup'
     expect_out '^# buffer: .* per rank (epx_buffer_size), .* of it for low latency'
-    expect_count ' PASS$' out 22
+    expect_count '^# floor/time = floor_us / the slowest' out 1
+    # The same metric as normal mode, and no GPU-only fields on the CPU backend: no SM
+    # budget, no CUDA-graph row.
+    expect_count 'time/floor\|SMs\|step_graph' out 0
+    expect_count ' PASS$' out 20
     expect_count 'FAIL' out 0
     for op in dispatch combine dispatch_send dispatch_recv combine_send combine_recv \
-        dispatch_loop combine_loop step_loop step_split_loop step_graph; do
+        dispatch_loop combine_loop step_loop step_split_loop; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
-        # (no CUDA graphs on the host backend: that row has no times)
-        [ "$op" = step_graph ] || expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
+        expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
     done
     # The standard case's defaults: 128 tokens, fp8 dispatch only.
     run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2
     expect_rc 0
     expect_out '^# epx bench --mode ll: backend host, 1 ranks, tokens 128 hidden 256 experts 4 topk 2'
-    expect_count ' PASS$' out 11
+    expect_count ' PASS$' out 10
     expect_count '^  bf16 ' out 0
     # fp8 dispatch only: the buffer's low-latency rows are sized for fp8.
     expect_out '^# buffer: .* (max_low_latency_tokens 128, low_latency_dtype fp8: '
@@ -354,35 +386,30 @@ bench_ll_check)
     run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2 --json \
         --ll-dtype bf16
     expect_rc 0
-    expect_count '"dtype":"fp8".*"ll_dtype":"bf16".*"check":"PASS"' out 11
+    expect_count '"dtype":"fp8".*"ll_dtype":"bf16".*"check":"PASS"' out 10
     bf16_bytes=$(sed -n 's/.*"ll_buffer_bytes_per_rank":\([0-9]*\),"ll_dtype":"bf16".*/\1/p' \
         "$TMP/out" | sort -u)
     [ -n "$fp8_bytes" ] && [ -n "$bf16_bytes" ] && [ "$fp8_bytes" -lt "$bf16_bytes" ] ||
         fail "low-latency bytes: '$fp8_bytes' with fp8 rows, '$bf16_bytes' with bf16 rows"
-    # An epx call that fails: the library's message, and a nonzero status.
-    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
-    expect_rc 1
-    expect_err 'epx_buffer_size failed: EPX_ERR_INVALID_ARG: .*num_experts is 7'
     ;;
 bench_ll_json)
     run "$EPX" bench -n 3 --mode ll --tokens 16 --hidden 1024 --experts 12 --topk 4 --ue8m0 \
         --check --json --iters 4
     expect_rc 0
-    expect_count '.' out 11
-    expect_count '^{.*}$' out 11
+    expect_count '.' out 10
+    expect_count '^{.*}$' out 10
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
+# No step_graph row: CUDA graphs exist on the GPU backend only.
 ops = ["dispatch", "combine", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
-       "dispatch_loop", "combine_loop", "step_loop", "step_split_loop", "step_graph"]
+       "dispatch_loop", "combine_loop", "step_loop", "step_split_loop"]
 assert [r["op"] for r in rows] == ops, rows
 by_op = {r["op"]: r for r in rows}
 for row in rows:
     assert row["mode"] == "ll" and row["ranks"] == 3 and row["tokens"] == 16, row
-    if row["op"] == "step_graph":  # CUDA graphs: no times on the host backend
-        assert row["median_us"] is None and row["check"] == "PASS", row
-        continue
+    assert row["sms"] is None and "time_over_floor" not in row, row
     assert row["iters"] == 4 and row["dtype"] == "fp8", row
     assert row["round_scale"] == 1 and row["use_ue8m0"] == 1, row
     assert row["check"] == "PASS", row
@@ -403,17 +430,22 @@ assert dispatch["bytes_per_rank"] % (1024 + 32) == 0, dispatch
 assert combine["bytes_per_rank"] % 2048 == 0, combine
 # Every row sent in dispatch comes back in combine (over all ranks).
 assert dispatch["total_bytes"] // 1056 == combine["total_bytes"] // 2048
-# Floors: dispatch reads and writes each row; combine reads each row, writes each token.
-assert dispatch["floor_bytes"] == 2 * dispatch["total_bytes"], dispatch
-assert combine["floor_bytes"] == combine["total_bytes"] + 3 * 16 * 2048, combine
+# Floors: dispatch reads each source token once (bf16 x + 4 int64 ids) and writes each row
+# sent once; combine reads each row sent back once and, per token, its ids, weights and
+# output row once.
+assert dispatch["floor_bytes"] == 3 * 16 * (1024 * 2 + 4 * 8) + dispatch["total_bytes"], dispatch
+assert combine["floor_bytes"] == combine["total_bytes"] + 3 * 16 * (2048 + 4 * 12), combine
 for row in (dispatch, combine):
-    assert row["floor_us"] > 0 and row["time_over_floor"] > 0, row
+    assert row["floor_us"] > 0, row
+    ratio = row["floor_us"] / row["slowest_median_us"]
+    assert abs(row["floor_over_time"] - ratio) <= 1e-4 * ratio, row
 for op in ops[2:6]:
     assert by_op[op]["floor_us"] is None and by_op[op]["floor_bytes"] == 0, by_op[op]
+    assert by_op[op]["floor_over_time"] is None, by_op[op]
 # The loops: the same floors; a whole step has both.
 assert by_op["dispatch_loop"]["floor_bytes"] == dispatch["floor_bytes"]
 assert by_op["combine_loop"]["floor_bytes"] == combine["floor_bytes"]
-for op in ("step_loop", "step_split_loop", "step_graph"):
+for op in ("step_loop", "step_split_loop"):
     assert by_op[op]["floor_bytes"] == dispatch["floor_bytes"] + combine["floor_bytes"]
 PY
     fi

@@ -324,7 +324,7 @@ static void test_bench_lines(void)
     CHECK_EQ_INT(rows[1].ranks, 8);
     CHECK(fabs(rows[1].median_us - 812.25) < 1e-9);
     CHECK(fabs(rows[1].gbps_per_rank - 18.0734) < 1e-9);
-    CHECK(fabs(rows[1].pct_of_floor - 6.80406) < 1e-9);
+    CHECK(fabs(rows[1].floor_over_time - 0.0680406) < 1e-12);
     CHECK_STR(rows[2].op, "combine");
     CHECK(rows[2].median_us == 1000.0);
     CHECK_STR(rows[2].check, ""); /* null: not checked */

@@ -22,7 +22,8 @@
 #include "common/tool.h"
 #include "launch/launch.h"
 
-/* Stated in the table header whenever it is used (docs/DESIGN.md section 5). */
+/* Stated in the table header whenever it is used (docs/PERFORMANCE.md, "How the numbers
+ * are counted"). */
 #define CUDA_FLOOR_GBPS 4250.0
 #define HOST_FLOOR_COPY_BYTES ((size_t)256 << 20)
 
@@ -60,6 +61,11 @@ static const char bench_usage[] =
     "  --floor-bw GBPS   copy bandwidth for the floor (cuda: 4250 assumed; host: measured)\n"
     "  -n N              launch N ranks (when not already inside epx launch)\n"
     "  --timeout S       limit for the launch that -n starts (600 s; 0 = none)\n"
+    "\n"
+    "The table's floor is the least time the op can take, all ranks at once, moving the\n"
+    "bytes it must read and write through memory at the copy bandwidth; floor/time is\n"
+    "that floor over the slowest rank's median time (1.00 = at the floor). The header\n"
+    "says what each op's floor counts.\n"
     "  --mps             with -n: run the ranks under a CUDA MPS daemon (epx launch --mps)\n"
     "  --ranks-per-node K  normal mode: virtual nodes of K ranks (with -n: the launch's\n"
     "                    --ranks-per-node; in a launch, EPX_RANKS_PER_NODE must say K);\n"
@@ -265,6 +271,47 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
     return apply_mode_defaults(o);
 }
 
+/*
+ * The buffers the run will make, checked by the library before any rank does anything:
+ * epx_buffer_size_plan of each config for `world` ranks (no group is formed), so that a
+ * bad --topk or --experts is one message before the header, not an error from every
+ * rank. `report`: this process prints the message (with -n, the
+ * one process that has not launched the ranks yet; inside a launch, rank 0). Returns -1
+ * when the shape is accepted, else the exit status 2.
+ */
+static int check_shape(const epx__bench_options_t *o, int world, int report)
+{
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = o->tokens;
+    config.hidden = o->hidden;
+    config.num_experts = o->experts;
+    config.num_topk = o->topk;
+    config.num_sms = o->sms;
+    if (o->mode == EPX__BENCH_MODE_LL) {
+        config.max_low_latency_tokens = o->tokens;
+        config.low_latency_dtype = o->ll_dtype;
+    }
+    const epx_dtype_t dtypes[] = {EPX_DTYPE_BF16, EPX_DTYPE_FP8_E4M3};
+    for (int d = 0; d < 2; d++) {
+        if ((d == 0 && !o->run_bf16) || (d == 1 && !o->run_fp8))
+            continue;
+        /* Low-latency mode keeps the default (bf16) normal-mode dtype. */
+        if (o->mode == EPX__BENCH_MODE_NORMAL)
+            config.dispatch_dtype = dtypes[d];
+        size_t bytes = 0;
+        epx_status_t status =
+            epx_buffer_size_plan(EPX_BACKEND_HOST, world, 0, &config, &bytes);
+        if (status != EPX_SUCCESS) {
+            if (report)
+                fprintf(stderr, "epx bench: these options give a buffer epx refuses for %d "
+                                "rank%s: %s: %s\n",
+                        world, world == 1 ? "" : "s", epx_status_name(status), epx_last_error());
+            return 2;
+        }
+    }
+    return -1;
+}
+
 /* `epx launch -n N -- <this executable> bench <the same flags without -n>`. */
 static int relaunch(int argc, char **argv, const epx__bench_options_t *o, const char *launch_only)
 {
@@ -390,7 +437,8 @@ static int run(const epx__bench_options_t *o)
     context.topk = o->topk;
     context.alignment = o->alignment;
     context.seed = o->seed;
-    context.sms = o->sms > 0 ? o->sms : (int)epx__tool_param_int("EPX_NUM_SMS");
+    /* SMs are the GPU kernels' budget: the CPU backend has none to state. */
+    context.sms = !cuda ? 0 : o->sms > 0 ? o->sms : (int)epx__tool_param_int("EPX_NUM_SMS");
     context.warmup = warmup;
     context.iters = iters;
     choose_floor(o, &info, &context);
@@ -431,6 +479,14 @@ int epx__command_bench(int argc, char **argv)
         return 1;
     }
     int64_t launched_ranks = epx__tool_param_int("EPX_WORLD_SIZE");
+    int world = options.num_ranks > 0 ? options.num_ranks
+                                      : launched_ranks > 0 ? (int)launched_ranks : 1;
+    status = check_shape(&options, world,
+                         launched_ranks == 0 || epx__tool_param_int("EPX_RANK") <= 0);
+    if (status >= 0) {
+        free(launch_only);
+        return status;
+    }
     if (options.num_ranks > 0 && launched_ranks == 0) {
         status = relaunch(argc, argv, &options, launch_only);
         free(launch_only);

@@ -458,6 +458,31 @@ static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
     }
 }
 
+/*
+ * The floor's bytes of `op`, all ranks together (epx__bench_dispatch_floor_bytes): a
+ * fresh dispatch reads each source token (x, scales, top-k ids and weights) and writes
+ * each received row with the same parts; a cached one has no routing to read or write;
+ * combine reads each received row and writes each output row (no weights here).
+ */
+static int64_t floor_bytes(const bench_case_t *bc, epx__bench_op_t op, int64_t received)
+{
+    int64_t tokens = bc->moe.num_tokens * bc->world_size;
+    int64_t routing = (int64_t)bc->moe.num_topk * (8 + 4);
+    switch (op) {
+    case EPX__BENCH_OP_DISPATCH:
+        return epx__bench_dispatch_floor_bytes(tokens, row_bytes(bc, op) + routing, received,
+                                               row_bytes(bc, op) + routing);
+    case EPX__BENCH_OP_CACHED_DISPATCH:
+        return epx__bench_dispatch_floor_bytes(tokens, row_bytes(bc, op), received,
+                                               row_bytes(bc, op));
+    case EPX__BENCH_OP_COMBINE:
+    case EPX__BENCH_OP_COMBINE_COPY:
+        return epx__bench_combine_floor_bytes(tokens, 0, received, row_bytes(bc, op));
+    default:
+        return 0; /* layout moves no payload */
+    }
+}
+
 int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device, epx_dtype_t dtype, int warmup, int iters,
                         epx__bench_row_t rows[EPX__BENCH_OP_COUNT])
@@ -509,11 +534,14 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
         row->bytes_per_rank = bc.num_recv * row_bytes(&bc, (epx__bench_op_t)op);
         row->total_bytes = 0;
         row->check = options->check ? EPX__BENCH_CHECK_PASS : EPX__BENCH_CHECK_NONE;
+        int64_t received = 0;
         for (int r = 0; r < bc.world_size; r++) {
-            row->total_bytes += all[r].num_recv * row_bytes(&bc, (epx__bench_op_t)op);
+            received += all[r].num_recv;
             if (all[r].check[op] == EPX__BENCH_CHECK_FAIL)
                 row->check = EPX__BENCH_CHECK_FAIL;
         }
+        row->total_bytes = received * row_bytes(&bc, (epx__bench_op_t)op);
+        row->floor_bytes = floor_bytes(&bc, (epx__bench_op_t)op, received);
         failed |= row->check == EPX__BENCH_CHECK_FAIL;
         free(times[op]);
         free(slowest[op]);

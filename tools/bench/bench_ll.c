@@ -91,7 +91,7 @@ static void teardown(ll_case_t *lc)
 /*
  * rows[op] from every rank's times ([rank][op][iteration]) and summaries: rank 0's
  * statistics, each rank's (into per_rank[op * ranks + rank]), the slowest rank's, and the
- * bytes and floor of docs/DESIGN.md section 5.
+ * bytes and the floor (bench_report.h).
  */
 static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *times, int iters,
                       const rank_summary_t *all, epx__bench_stats_t *per_rank,
@@ -132,10 +132,14 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
                           op == EPX__BENCH_LL_DISPATCH_RECV || op == EPX__BENCH_LL_LOOP_DISPATCH;
         int is_step = op == EPX__BENCH_LL_LOOP_STEP || op == EPX__BENCH_LL_LOOP_SPLIT ||
                       op == EPX__BENCH_LL_GRAPH_STEP;
-        /* Dispatch: every row sent is read once and written once. Combine: every expert
-         * row read once, one reduced row per token written. */
-        int64_t dispatch_floor = 2 * sent * dispatch_row;
-        int64_t combine_floor = received * combine_row + tokens * combine_row;
+        /* Dispatch: each source token read once (bf16 x and its top-k ids), each row sent
+         * written once where it lands. Combine: each expert row read once, each token's
+         * top-k ids and weights read once and its reduced row written once. */
+        int64_t topk = lc->moe.num_topk;
+        int64_t dispatch_floor =
+            epx__bench_dispatch_floor_bytes(tokens, hidden * 2 + topk * 8, sent, dispatch_row);
+        int64_t combine_floor =
+            epx__bench_combine_floor_bytes(tokens, topk * (8 + 4), received, combine_row);
         if (is_step) {
             row->bytes_per_rank = all[0].sent_rows * dispatch_row + all[0].recv_rows * combine_row;
             row->total_bytes = sent * dispatch_row + received * combine_row;
@@ -276,11 +280,14 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
             exit(1);
         }
         failed |= run_case(group, buffer, options, device, context, dtypes[d], per_rank, rows);
+        /* CUDA graphs exist on the GPU backend only: elsewhere that row is left out. */
+        int printed = info.backend == EPX_BACKEND_CUDA ? EPX__BENCH_LL_OP_COUNT
+                                                       : EPX__BENCH_LL_GRAPH_STEP;
         if (info.rank == 0) {
-            for (int op = 0; op < EPX__BENCH_LL_OP_COUNT; op++)
+            for (int op = 0; op < printed; op++)
                 epx__bench_ll_print_row(stdout, &ll, &rows[op], options->json);
             if (!options->json)
-                epx__bench_ll_print_per_rank(stdout, &ll, rows, EPX__BENCH_LL_OP_COUNT);
+                epx__bench_ll_print_per_rank(stdout, &ll, rows, printed);
         }
         free(per_rank);
     }

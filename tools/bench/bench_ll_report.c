@@ -1,8 +1,9 @@
 /*
  * What `epx bench --mode ll` prints: latency in microseconds as DeepEP reports it for
- * its low-latency kernels (docs/DESIGN.md section 5), per op the median, p99 and mean of
- * rank 0 and of the slowest rank, the bytes each rank sends, the buffer memory, and the
- * one-GPU floor; as a table with a header or as one JSON object per line.
+ * its low-latency kernels, per op the median, p99 and mean of rank 0 and of the slowest
+ * rank, the bytes each rank sends, the buffer memory, and the floor with the same
+ * floor/time ratio as normal mode (bench_report.h); as a table with a header or as one
+ * JSON object per line. The CUDA-graph row exists on the GPU backend only.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -99,9 +100,11 @@ void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
     epx__bench_format_bytes(ll->ll_buffer_bytes, low_latency, sizeof(low_latency));
     fprintf(out,
             "# epx bench --mode ll: backend %s, %d ranks, tokens %lld hidden %lld experts %d "
-            "topk %d seed %llu, SMs %d, warmup %d iters %d\n",
+            "topk %d seed %llu",
             c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->experts,
-            c->topk, (unsigned long long)c->seed, c->sms, c->warmup, c->iters);
+            c->topk, (unsigned long long)c->seed);
+    epx__bench_print_sms(out, c);
+    fprintf(out, ", warmup %d iters %d\n", c->warmup, c->iters);
     fprintf(out, "# dispatch: x bf16 in; fp8 rows carry %s, one per 128 channels; combine: bf16, "
                  "x in the zero-copy buffer (epx_ll_get_combine_buffer)\n",
             scales_text(ll));
@@ -109,22 +112,19 @@ void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
                  "(max_low_latency_tokens %lld, low_latency_dtype %s: rows sized for %s)\n",
             total, low_latency, (long long)c->tokens, dtype_text(ll->ll_dtype),
             ll->ll_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8 dispatch only" : "bf16 or fp8 dispatch");
-    if (c->floor_bw_gbps > 0)
-        fprintf(out, "# floor: bytes all ranks read + write / %.1f GB/s (%s); dispatch reads and "
-                     "writes every row sent, combine reads every row sent back and writes one "
-                     "row per token\n",
-                c->floor_bw_gbps, c->floor_source);
-    else
-        fprintf(out, "# floor: unknown (%s)\n", c->floor_source);
+    epx__bench_print_floor_header(
+        out, c,
+        "dispatch: each source token once (bf16 x, top-k ids) + each row received once (fp8 + "
+        "scales, or bf16);\n#   combine: each row received once + each token's top-k ids, "
+        "weights and output row once; steps: both; the send and receive halves: none");
     fprintf(out, "# median, p99, mean: rank 0's times in us; slowest: each iteration's slowest "
                  "rank, median and p99;\n"
-                 "# MB/rank: rank 0's rows sent x row bytes; GB/s = MB/rank / rank 0's median; "
-                 "time/floor = slowest / floor;\n"
+                 "# MB/rank: rank 0's rows sent x row bytes; GB/s = MB/rank / rank 0's median;\n"
                  "# *_send, *_recv: the split, each half alone (the receive starts once every "
                  "rank's send has finished)\n");
     fprintf(out, "# %-5s %-14s %10s %10s %10s %11s %11s %8s %9s %9s %10s %5s\n", "dtype", "op",
             "median_us", "p99_us", "mean_us", "slowest_us", "slowest_p99", "MB/rank", "GB/s/rank",
-            "floor_us", "time/floor", "check");
+            "floor_us", "floor/time", "check");
     fflush(out);
 }
 
@@ -149,7 +149,8 @@ static void print_table_row(FILE *out, const epx__bench_ll_context_t *ll,
     fputc(' ', out);
     epx__bench_print_number(out, 9, 2, floor, "-");
     fputc(' ', out);
-    epx__bench_print_number(out, 10, 2, row->slowest.median_us / floor, "-");
+    epx__bench_print_number(out, 10, 2, epx__bench_floor_over_time(floor, row->slowest.median_us),
+                            "-");
     fprintf(out, " %5s\n", check_text(row->check));
 }
 
@@ -184,13 +185,14 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
     int fp8 = row->dtype == EPX_DTYPE_FP8_E4M3;
     double floor = floor_us(ll, row);
     fprintf(out, "{\"mode\":\"ll\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
-                 "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"seed\":%llu,\"sms\":%d,"
+                 "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"seed\":%llu,"
                  "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"round_scale\":%d,"
                  "\"use_ue8m0\":%d,\"combine_dtype\":\"bf16\",\"op\":\"%s\"",
             c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->experts,
-            c->topk, (unsigned long long)c->seed, c->sms, c->warmup, c->iters,
+            c->topk, (unsigned long long)c->seed, c->warmup, c->iters,
             dtype_text(row->dtype), fp8 && ll->round_scale, fp8 && ll->use_ue8m0,
             epx__bench_ll_op_name(row->op));
+    epx__bench_print_json_number(out, "sms", c->sms > 0 ? c->sms : NAN);
     epx__bench_print_json_number(out, "median_us", row->rank0.median_us);
     epx__bench_print_json_number(out, "p99_us", row->rank0.p99_us);
     epx__bench_print_json_number(out, "mean_us", row->rank0.mean_us);
@@ -211,7 +213,8 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
                                  c->floor_bw_gbps > 0 ? c->floor_bw_gbps : NAN);
     fprintf(out, ",\"floor_source\":\"%s\"", c->floor_source);
     epx__bench_print_json_number(out, "floor_us", floor);
-    epx__bench_print_json_number(out, "time_over_floor", row->slowest.median_us / floor);
+    epx__bench_print_json_number(out, "floor_over_time",
+                                 epx__bench_floor_over_time(floor, row->slowest.median_us));
     fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld,"
                  "\"ll_dtype\":\"%s\"",
             (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes,

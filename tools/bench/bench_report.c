@@ -1,9 +1,11 @@
 /*
  * Bench output. The metrics are the ones DeepEP prints, so numbers compare across
- * projects (docs/DESIGN.md section 5): bytes a rank receives (dispatch) or sends (combine)
- * divided by the op's time is the "bottleneck bandwidth"; the floor is the time to read
- * and write every rank's bytes once at the copy bandwidth, since on one GPU all ranks
- * share the same memory.
+ * projects: bytes a rank receives (dispatch) or sends (combine) divided by the op's time
+ * is the "bottleneck bandwidth". The floor is the time all ranks together need to move
+ * the bytes the op must read and write once at the copy bandwidth (on one GPU every rank
+ * shares the same memory): a dispatch reads each source token once and writes each
+ * received row once; a combine reads each received row once and writes each output row
+ * once.
  */
 #include "bench_report.h"
 
@@ -72,12 +74,28 @@ double epx__bench_copy_time_us(int64_t bytes, double bw_gbps)
     return (double)bytes / bw_gbps / 1e3; /* bytes / (GB/s) = ns */
 }
 
+int64_t epx__bench_dispatch_floor_bytes(int64_t tokens, int64_t source_row, int64_t received,
+                                        int64_t dispatch_row)
+{
+    return tokens * source_row + received * dispatch_row;
+}
+
+int64_t epx__bench_combine_floor_bytes(int64_t tokens, int64_t combine_token, int64_t received,
+                                       int64_t combine_row)
+{
+    return received * combine_row + tokens * (combine_row + combine_token);
+}
+
 double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row)
 {
-    if (row->bytes_per_rank <= 0)
+    return epx__bench_copy_time_us(row->floor_bytes, context->floor_bw_gbps);
+}
+
+double epx__bench_floor_over_time(double floor_us, double time_us)
+{
+    if (!isfinite(floor_us) || !(time_us > 0))
         return NAN;
-    /* Every byte read once and written once. */
-    return epx__bench_copy_time_us(2 * row->total_bytes, context->floor_bw_gbps);
+    return floor_us / time_us;
 }
 
 static double gbps(const epx__bench_row_t *row)
@@ -117,24 +135,44 @@ void epx__bench_format_bytes(int64_t bytes, char *text, size_t size)
     snprintf(text, size, "%.2f %s", value, units[unit]);
 }
 
+void epx__bench_print_sms(FILE *out, const epx__bench_context_t *context)
+{
+    if (context->sms > 0)
+        fprintf(out, ", SMs %d", context->sms);
+}
+
+void epx__bench_print_floor_header(FILE *out, const epx__bench_context_t *context,
+                                   const char *what)
+{
+    if (context->floor_bw_gbps > 0)
+        fprintf(out, "# floor: the bytes all ranks must read and write, at %.1f GB/s (%s):\n",
+                context->floor_bw_gbps, context->floor_source);
+    else
+        fprintf(out, "# floor: unknown (%s); it would count:\n", context->floor_source);
+    fprintf(out, "#   %s\n", what);
+    fprintf(out, "# floor/time = floor_us / the slowest rank's median (1.00 = at the floor, "
+                 "0.50 = twice its time)\n");
+}
+
 void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
 {
     fprintf(out,
             "# epx bench: backend %s, %d ranks, tokens %lld hidden %lld experts %d topk %d "
-            "alignment %d seed %llu, SMs %d, warmup %d iters %d\n",
+            "alignment %d seed %llu",
             context->backend, context->ranks, (long long)context->tokens,
             (long long)context->hidden, context->experts, context->topk, context->alignment,
-            (unsigned long long)context->seed, context->sms, context->warmup, context->iters);
-    if (context->floor_bw_gbps > 0)
-        fprintf(out, "# floor: 2 x bytes of all ranks / %.1f GB/s (%s)\n",
-                context->floor_bw_gbps, context->floor_source);
-    else
-        fprintf(out, "# floor: unknown (%s)\n", context->floor_source);
+            (unsigned long long)context->seed);
+    epx__bench_print_sms(out, context);
+    fprintf(out, ", warmup %d iters %d\n", context->warmup, context->iters);
+    epx__bench_print_floor_header(
+        out, context,
+        "dispatch: each source token once (x, scales, top-k ids and weights) + each received "
+        "row once (the same);\n#   cached dispatch: x and scales only; combine: each received "
+        "row once + each output row once");
     fprintf(out, "# median and p99: rank 0's times in us; GB/s = rank 0's bytes / its median;\n"
-                 "# slowest: median over iterations of the slowest rank; %%floor = floor / "
-                 "slowest\n");
-    fprintf(out, "# %-5s %-16s %11s %11s %11s %10s %11s %7s %5s\n", "dtype", "op", "median_us",
-            "p99_us", "slowest_us", "GB/s/rank", "floor_us", "%floor", "check");
+                 "# slowest: median over iterations of the slowest rank\n");
+    fprintf(out, "# %-5s %-16s %11s %11s %11s %10s %11s %10s %5s\n", "dtype", "op", "median_us",
+            "p99_us", "slowest_us", "GB/s/rank", "floor_us", "floor/time", "check");
     fflush(out);
 }
 
@@ -162,7 +200,7 @@ static void print_table_row(FILE *out, const epx__bench_context_t *context,
     fputc(' ', out);
     epx__bench_print_number(out, 11, 1, floor_us, "-");
     fputc(' ', out);
-    epx__bench_print_number(out, 7, 1, floor_us / row->slowest_us * 100.0, "-");
+    epx__bench_print_number(out, 10, 2, epx__bench_floor_over_time(floor_us, row->slowest_us), "-");
     fprintf(out, " %5s\n", check_text(row->check));
 }
 
@@ -181,22 +219,25 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
     double floor_us = epx__bench_floor_us(context, row);
     fprintf(out, "{\"mode\":\"normal\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
                  "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"alignment\":%d,\"seed\":%llu,"
-                 "\"sms\":%d,\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
+                 "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
             context->backend, context->ranks, (long long)context->tokens,
             (long long)context->hidden, context->experts, context->topk, context->alignment,
-            (unsigned long long)context->seed, context->sms, context->warmup, context->iters,
+            (unsigned long long)context->seed, context->warmup, context->iters,
             dtype_text(row->dtype), epx__bench_op_name(row->op));
+    epx__bench_print_json_number(out, "sms", context->sms > 0 ? context->sms : NAN);
     epx__bench_print_json_number(out, "median_us", row->median_us);
     epx__bench_print_json_number(out, "p99_us", row->p99_us);
     epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
-    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld", (long long)row->bytes_per_rank,
-            (long long)row->total_bytes);
+    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld,\"floor_bytes\":%lld",
+            (long long)row->bytes_per_rank, (long long)row->total_bytes,
+            (long long)row->floor_bytes);
     epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
     epx__bench_print_json_number(out, "floor_bw_gbps",
                                  context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
     fprintf(out, ",\"floor_source\":\"%s\"", context->floor_source);
     epx__bench_print_json_number(out, "floor_us", floor_us);
-    epx__bench_print_json_number(out, "pct_of_floor", floor_us / row->slowest_us * 100.0);
+    epx__bench_print_json_number(out, "floor_over_time",
+                                 epx__bench_floor_over_time(floor_us, row->slowest_us));
     if (row->check == EPX__BENCH_CHECK_NONE)
         fprintf(out, ",\"check\":null}\n");
     else

@@ -1,7 +1,10 @@
 /*
  * What `epx bench` prints: the statistics of the timed runs and the DeepEP-style
- * metrics (bytes per rank, bottleneck bandwidth, the copy floor), as a table with a
- * header or as one JSON object per line.
+ * metrics (bytes per rank, bottleneck bandwidth), and the floor: the least time the
+ * operation can take, all ranks at once, moving the bytes it must move through memory at
+ * the copy bandwidth. Both modes report the same ratio, floor/time = floor_us / the
+ * slowest rank's median (1.00 = at the floor, 0.50 = twice the floor's time), as a table
+ * with a header or as one JSON object per line.
  */
 #ifndef EPX_TOOLS_BENCH_REPORT_H
 #define EPX_TOOLS_BENCH_REPORT_H
@@ -33,7 +36,7 @@ typedef struct {
     int topk;
     int alignment;
     uint64_t seed;
-    int sms;
+    int sms; /* SMs per rank of the GPU kernels; 0 on the CPU backend (not printed) */
     int warmup;
     int iters;
     double floor_bw_gbps;     /* 0 = unknown (floor columns print "-") */
@@ -54,6 +57,8 @@ typedef struct {
     double slowest_us; /* median over iterations of the slowest rank's time */
     int64_t bytes_per_rank; /* rank 0's bytes over the link; 0 = no payload (layout) */
     int64_t total_bytes;    /* the same summed over every rank */
+    /* Bytes all ranks must read and write together (epx__bench_floor_bytes); 0 = no floor. */
+    int64_t floor_bytes;
     int check;              /* EPX__BENCH_CHECK_* (combined over ranks) */
 } epx__bench_row_t;
 
@@ -67,10 +72,26 @@ double epx__bench_mean(const double *values, int count);
  * when there are no bytes or no bandwidth. */
 double epx__bench_copy_time_us(int64_t bytes, double bw_gbps);
 
-/* Floor time in us: every rank's bytes read once and written once at the floor
- * bandwidth. NaN when not applicable. Compared with slowest_us: the floor is for all
- * ranks together. */
+/*
+ * The bytes one op must move through memory, all ranks together (the floor of both
+ * modes). Per rank, `tokens` source tokens and `received` rows arriving in dispatch (the
+ * rows combine sends back); a source token is `source_row` bytes (x, its scales and its
+ * routing), a received row `dispatch_row` bytes (x, scales, routing as delivered) and a
+ * row combine reads or writes `combine_row` bytes (its weights and routing, when the op
+ * reads them, go in `combine_token`, per output token):
+ *   dispatch: each source token read once + each received row written once;
+ *   combine:  each received row read once + each output row (and its routing) once.
+ */
+int64_t epx__bench_dispatch_floor_bytes(int64_t tokens, int64_t source_row, int64_t received,
+                                        int64_t dispatch_row);
+int64_t epx__bench_combine_floor_bytes(int64_t tokens, int64_t combine_token, int64_t received,
+                                       int64_t combine_row);
+
+/* Floor time in us: the row's floor bytes at the floor bandwidth; NaN when not
+ * applicable. Compared with slowest_us: the floor is for all ranks together. */
 double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row);
+/* floor_us / time_us: 1.0 = at the floor; NaN when either is unknown. */
+double epx__bench_floor_over_time(double floor_us, double time_us);
 
 /* Shared by both modes' reports: "%*.*f" of a finite number, else `missing` at that
  * width; ",\"key\":value" (null when not finite); bytes as "1.23 GiB" and the like. */
@@ -80,6 +101,11 @@ void epx__bench_print_json_number(FILE *out, const char *key, double value);
 void epx__bench_format_bytes(int64_t bytes, char *text, size_t size);
 
 void epx__bench_print_header(FILE *out, const epx__bench_context_t *context);
+/* Header pieces both modes print: ", SMs N" on the GPU backend only; the floor's
+ * bandwidth, `what` it counts and the floor/time definition. */
+void epx__bench_print_sms(FILE *out, const epx__bench_context_t *context);
+void epx__bench_print_floor_header(FILE *out, const epx__bench_context_t *context,
+                                   const char *what);
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,
                           const epx__bench_row_t *row, int json);
 

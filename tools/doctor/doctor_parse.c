@@ -492,15 +492,15 @@ static void store_number(epx__doctor_bench_row_t *row, const char *key, double v
         row->gbps_per_rank = value;
     else if (strcmp(key, "floor_us") == 0)
         row->floor_us = value;
-    else if (strcmp(key, "pct_of_floor") == 0)
-        row->pct_of_floor = value;
+    else if (strcmp(key, "floor_over_time") == 0)
+        row->floor_over_time = value;
 }
 
 int epx__doctor_parse_bench_line(const char *line, epx__doctor_bench_row_t *row)
 {
     memset(row, 0, sizeof(*row));
     row->ranks = -1;
-    row->median_us = row->gbps_per_rank = row->floor_us = row->pct_of_floor = NAN;
+    row->median_us = row->gbps_per_rank = row->floor_us = row->floor_over_time = NAN;
     const char *p = strchr(line, '{');
     if (p == NULL)
         return 0;

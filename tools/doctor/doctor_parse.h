@@ -149,7 +149,7 @@ typedef struct {
     double median_us; /* NaN = unknown */
     double gbps_per_rank;
     double floor_us;
-    double pct_of_floor;
+    double floor_over_time; /* floor_us / the slowest rank's median: 1.0 = at the floor */
 } epx__doctor_bench_row_t;
 
 /*

@@ -22,7 +22,7 @@
 #define SMOKE_TIMEOUT_S 240.0
 /* On the GPU a smoke run this far below the floor points at a real problem (time
  * slicing without MPS, an SM budget of one, a slow link), not at the small case. */
-#define SMOKE_LOW_PERCENT 10.0
+#define SMOKE_LOW_FRACTION 0.10
 
 int epx__doctor_ranks(const epx__doctor_context_t *context)
 {
@@ -55,9 +55,9 @@ static void report_row(epx__doctor_report_t *report, const char *name, const cha
         return;
     }
     char floor[96] = "floor unknown";
-    if (isfinite(row->pct_of_floor))
-        snprintf(floor, sizeof(floor), "%.1f%% of the copy floor (%.1f us)", row->pct_of_floor,
-                 row->floor_us);
+    if (isfinite(row->floor_over_time))
+        snprintf(floor, sizeof(floor), "floor/time %.2f (floor %.1f us, 1.00 = at the floor)",
+                 row->floor_over_time, row->floor_us);
     char numbers[256];
     snprintf(numbers, sizeof(numbers), "%s %s on %s, %d ranks: median %.1f us, %.2f GB/s per rank, %s",
              row->dtype, row->op, backend, row->ranks, row->median_us, row->gbps_per_rank, floor);
@@ -69,8 +69,8 @@ static void report_row(epx__doctor_report_t *report, const char *name, const cha
                         row->check[0] ? row->check : "not run");
         return;
     }
-    if (strcmp(backend, "cuda") == 0 && isfinite(row->pct_of_floor) &&
-        row->pct_of_floor < SMOKE_LOW_PERCENT) {
+    if (strcmp(backend, "cuda") == 0 && isfinite(row->floor_over_time) &&
+        row->floor_over_time < SMOKE_LOW_FRACTION) {
         epx__doctor_add(report, name, EPX__DOCTOR_WARN,
                         "far below the floor even for a small case: look at the gpu.mps and "
                         "gpu.ipc lines, then measure the standard case with scripts/bench",
