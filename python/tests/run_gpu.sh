@@ -5,9 +5,20 @@
 # backward) on 2 and 4 ranks. scripts/gpu-check runs it (`test`, on its own build).
 # Several ranks share one GPU under CUDA MPS (epx launch --mps).
 #
-#   PYTHON=/opt/torch/.venv/bin/python python/tests/run_gpu.sh [build|test|all]
+#   PYTHON=/opt/torch/.venv/bin/python python/tests/run_gpu.sh [build|test|all|wheel]
+#
+# wheel: the installed package instead of the checkout. Builds a wheel of ./python with
+# PYTHON (no network: --no-build-isolation --no-deps --no-index; PYTHON's environment must
+# have setuptools and nvidia-nvshmem-cu13, so the NVSHMEM plugin is built and bundled),
+# installs it into a fresh environment that also sees PYTHON's packages (torch, numpy,
+# ml_dtypes, pytest, nvidia-nvshmem-cu13), and from a directory outside the repository
+# runs the bundled `epx` command: doctor's nvshmem.plugin line, examples/moe_layer.py
+# with torch on 2 ranks, the Python tests (normal and low-latency mode) on 2 ranks, and
+# `epx bench --mode ll --check` on 8 ranks, all on the CUDA backend. Work in
+# $GPU_CHECK_BUILD_DIR/wheel.
 #
 # WHEELS=dir: install missing numpy/ml_dtypes/pytest from wheel files there (no network).
+# GPU_CHECK_BUILD_DIR: the build (default build-gpu/).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
@@ -26,6 +37,56 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "run_gpu.sh: missing ${missing[*]} (set WHEELS=dir of wheel files)" >&2
         exit 1
     fi
+fi
+
+if [ "$what" = wheel ]; then
+    if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+        export PATH="/usr/local/cuda/bin:$PATH"
+    fi
+    export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0
+    work="$build/wheel"
+    rm -rf "$work/dist" "$work/v"
+    mkdir -p "$work"
+    echo "== wheel: pip wheel --no-build-isolation --no-deps --no-index ./python ($py)"
+    EPXPY_BUILD_DIR="$work/cmake" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$py" -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$work/dist" \
+        "$root/python"
+    wheel_file="$(ls "$work"/dist/epx-*.whl)"
+    "$py" -m zipfile -l "$wheel_file" | grep -E 'epx/_lib/' || true
+    "$py" -m zipfile -l "$wheel_file" | grep -q 'epx/_lib/libepx_nvshmem.so' || {
+        echo "run_gpu.sh: the wheel has no NVSHMEM plugin (is nvidia-nvshmem-cu13 in $py's environment?)" >&2
+        exit 1
+    }
+    # A fresh environment that also sees PYTHON's packages (a .pth file: a venv's
+    # --system-site-packages would show the base interpreter's, not PYTHON's venv's).
+    "$py" -m venv "$work/v"
+    purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
+    "$py" -c "$purelib" >"$("$work/v/bin/python" -c "$purelib")/_parent_environment.pth"
+    "$work/v/bin/pip" install -q --no-index --no-deps "$wheel_file"
+    v="$work/v/bin"
+    outside="$(mktemp -d)"
+    cd "$outside"
+    status=0
+    "$v/python" -c "import epx, os; print('epx from', epx.__file__, 'library', epx.library_path()); assert os.path.realpath(epx.__file__).startswith(os.path.realpath('$work/v'))" || status=1
+    "$v/epx" version || status=1
+    # The bundled plugin loads, with NVSHMEM's runtime from this environment.
+    "$v/epx" doctor --no-smoke | grep -A1 -E '^\[[a-z-]+\] +nvshmem\.plugin' || status=1
+    "$v/epx" doctor --no-smoke --json | "$v/python" -c "
+import json, os, sys
+line = [c for c in json.load(sys.stdin)['checks'] if c['check'] == 'nvshmem.plugin'][0]
+print(line['status'], line['detail'].splitlines()[0])
+assert line['status'] == 'pass' and '$work/v' in os.path.realpath(line['detail'].split(' found at ')[1].split(',')[0]), line" || status=1
+    echo "== wheel: examples/moe_layer.py, 2 ranks, torch on the CUDA backend"
+    EPX_BACKEND=cuda "$v/epx" launch --mps -n 2 -- "$v/python" "$root/examples/moe_layer.py" \
+        --framework torch || status=1
+    echo "== wheel: Python tests, 2 ranks, CUDA backend (normal and low-latency mode)"
+    EPXTEST_BACKEND=cuda "$v/epx" launch --mps -n 2 -- "$v/python" -m pytest -p no:cacheprovider -q \
+        "$root/python/tests/test_buffer.py" "$root/python/tests/test_low_latency.py" || status=1
+    echo "== wheel: epx bench --mode ll --check, 8 ranks, the bundled command and plugin"
+    "$v/epx" launch --mps -n 8 -- "$v/epx" bench --mode ll --check --sms 16 --iters 10 || status=1
+    cd "$root"
+    rm -rf "$outside"
+    exit $status
 fi
 
 if [ "$what" != test ]; then

@@ -108,7 +108,8 @@ void epx__log_set_rank(int rank);
     X(LIBRARY, STRING, "", 0, 0,                                                            \
       "Path of libepx.so for the Python package (read by Python, listed here for epx params)") \
     X(NVSHMEM_PLUGIN, STRING, "", 0, 0,                                                     \
-      "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, then the build") \
+      "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, the build, "  \
+      "the loader's path")                                                                  \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
       "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
