@@ -53,7 +53,7 @@ if [ "$what" = wheel ]; then
         "$root/python"
     wheel_file="$(ls "$work"/dist/epx-*.whl)"
     "$py" -m zipfile -l "$wheel_file" | grep -E 'epx/_lib/' || true
-    "$py" -m zipfile -l "$wheel_file" | grep -q 'epx/_lib/libepx_nvshmem.so' || {
+    "$py" -m zipfile -l "$wheel_file" | grep 'epx/_lib/libepx_nvshmem.so' >/dev/null || {
         echo "run_gpu.sh: the wheel has no NVSHMEM plugin (is nvidia-nvshmem-cu13 in $py's environment?)" >&2
         exit 1
     }
