@@ -3,7 +3,7 @@ inputs give as NumPy arrays and to the models of reference.py and test_low_laten
 
 Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_jax.py` with
 `pip install "jax[cpu]"` (scripts/setup installs it into .venv, and CI runs these tests);
-skipped when jax is not importable (ctest reports that as COULD NOT RUN first).
+skipped when jax is not importable (ctest reports that as SKIP (optional) first).
 Every test is collective: each rank runs the same calls and checks its own results.
 
 JAX arrays are immutable, so the package returns JAX outputs as copies (docs/PYTHON.md,
