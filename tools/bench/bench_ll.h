@@ -68,8 +68,8 @@ typedef struct {
     const epx__bench_stats_t *per_rank; /* [ranks] */
     int64_t bytes_per_rank; /* rank 0's bytes sent: dispatch rows, or combine rows back */
     int64_t total_bytes;    /* the same summed over every rank */
-    /* Bytes all ranks read and write together at the least (docs/DESIGN.md section 5); 0 for
-     * the send and receive halves, which have no floor of their own. */
+    /* Bytes all ranks read and write together at the least (bench_report.h, the floor);
+     * 0 for the send and receive halves, which have no floor of their own. */
     int64_t floor_bytes;
     int check; /* EPX__BENCH_CHECK_*, combined over ranks */
 } epx__bench_ll_row_t;
