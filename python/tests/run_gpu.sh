@@ -8,8 +8,9 @@
 #   PYTHON=/opt/torch/.venv/bin/python python/tests/run_gpu.sh [build|test|all|wheel]
 #
 # wheel: the installed package instead of the checkout. Builds a wheel of ./python with
-# PYTHON (no network: --no-build-isolation --no-deps --no-index; PYTHON's environment must
-# have setuptools and nvidia-nvshmem-cu13, so the NVSHMEM plugin is built and bundled),
+# PYTHON through setuptools' PEP 517 backend (what `pip wheel --no-build-isolation` runs;
+# no network, and no pip needed there; PYTHON's environment must have setuptools, and
+# nvidia-nvshmem-cu13 so that the NVSHMEM plugin is built and bundled),
 # installs it into a fresh environment that also sees PYTHON's packages (torch, numpy,
 # ml_dtypes, pytest, nvidia-nvshmem-cu13), and from a directory outside the repository
 # runs the bundled `epx` command: doctor's nvshmem.plugin line, examples/moe_layer.py
@@ -47,19 +48,20 @@ if [ "$what" = wheel ]; then
     work="$build/wheel"
     rm -rf "$work/dist" "$work/v"
     mkdir -p "$work"
-    echo "== wheel: pip wheel --no-build-isolation --no-deps --no-index ./python ($py)"
-    EPXPY_BUILD_DIR="$work/cmake" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-        "$py" -m pip wheel -q --no-build-isolation --no-deps --no-index -w "$work/dist" \
-        "$root/python"
+    echo "== wheel: setuptools.build_meta.build_wheel of ./python with $py (offline)"
+    (cd "$root/python" && EPXPY_BUILD_DIR="$work/cmake" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+        "$py" -c "import sys, setuptools.build_meta as backend; print(backend.build_wheel(sys.argv[1]))" \
+        "$work/dist" >"$work/build_wheel.log" 2>&1) || { tail -40 "$work/build_wheel.log"; exit 1; }
     wheel_file="$(ls "$work"/dist/epx-*.whl)"
     "$py" -m zipfile -l "$wheel_file" | grep -E 'epx/_lib/' || true
     "$py" -m zipfile -l "$wheel_file" | grep 'epx/_lib/libepx_nvshmem.so' >/dev/null || {
         echo "run_gpu.sh: the wheel has no NVSHMEM plugin (is nvidia-nvshmem-cu13 in $py's environment?)" >&2
         exit 1
     }
-    # A fresh environment that also sees PYTHON's packages (a .pth file: a venv's
-    # --system-site-packages would show the base interpreter's, not PYTHON's venv's).
-    "$py" -m venv "$work/v"
+    # A fresh environment (its pip from ensurepip: no network) that also sees PYTHON's
+    # packages (a .pth file: --system-site-packages would show the base interpreter's,
+    # not PYTHON's venv's).
+    "$py" -m venv "$work/v" || { echo "run_gpu.sh: $py -m venv failed (no ensurepip?)" >&2; exit 1; }
     purelib='import sysconfig; print(sysconfig.get_paths()["purelib"])'
     "$py" -c "$purelib" >"$("$work/v/bin/python" -c "$purelib")/_parent_environment.pth"
     "$work/v/bin/pip" install -q --no-index --no-deps "$wheel_file"

@@ -100,6 +100,9 @@ launch_timeout)
     expect_out 'default: no limit'
     ;;
 launch_forward_signal)
+    # The file exists before the launcher's shell opens it, so the wait below cannot read
+    # a missing file as "not ready" and signal too early (seen under ASan).
+    : >"$TMP/out"
     "$EPX" launch -n 2 -- sh -c 'trap "echo term; exit 5" TERM; echo ready; sleep 60 & wait' \
         >"$TMP/out" 2>"$TMP/err" &
     pid=$!
