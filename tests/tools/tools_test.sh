@@ -224,6 +224,12 @@ bench_bad_flag)
     expect_rc 2
     expect_count 'epx bench: these options give a buffer epx refuses for 2 ranks: .*num_experts is 7' err 1
     expect_count '.' out 0
+    # Inside a launch: rank 0 says it once, the launcher stops the others.
+    run "$EPX" launch -n 2 -- "$EPX" bench --mode ll --tokens 16 --hidden 512 --experts 7 --topk 4
+    expect_rc 2
+    expect_count '^\[rank 0\] epx bench: these options give a buffer epx refuses for 2 ranks: .*num_experts is 7' err 1
+    expect_count 'epx bench: these options' err 1
+    expect_count '.' out 0
     ;;
 bench_check)
     run "$EPX" bench -n 2 --tokens 64 --hidden 256 --experts 8 --topk 2 --check

@@ -275,11 +275,10 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
  * The buffers the run will make, checked by the library before any rank does anything:
  * epx_buffer_size_plan of each config for `world` ranks (no group is formed), so that a
  * bad --topk or --experts is one message before the header, not an error from every
- * rank. `report`: this process prints the message (with -n, the
- * one process that has not launched the ranks yet; inside a launch, rank 0). Returns -1
+ * rank (with -n, from the one process that has not launched the ranks yet). Returns -1
  * when the shape is accepted, else the exit status 2.
  */
-static int check_shape(const epx__bench_options_t *o, int world, int report)
+static int check_shape(const epx__bench_options_t *o, int world)
 {
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
     config.max_tokens_per_rank = o->tokens;
@@ -302,10 +301,9 @@ static int check_shape(const epx__bench_options_t *o, int world, int report)
         epx_status_t status =
             epx_buffer_size_plan(EPX_BACKEND_HOST, world, 0, &config, &bytes);
         if (status != EPX_SUCCESS) {
-            if (report)
-                fprintf(stderr, "epx bench: these options give a buffer epx refuses for %d "
-                                "rank%s: %s: %s\n",
-                        world, world == 1 ? "" : "s", epx_status_name(status), epx_last_error());
+            fprintf(stderr, "epx bench: these options give a buffer epx refuses for %d rank%s: "
+                            "%s: %s\n",
+                    world, world == 1 ? "" : "s", epx_status_name(status), epx_last_error());
             return 2;
         }
     }
@@ -415,6 +413,10 @@ static int run(const epx__bench_options_t *o)
                             "EPX_RANKS_PER_NODE=%d), or give -n to the bench\n",
                     o->ranks_per_node, info.ranks_per_node, o->ranks_per_node,
                     o->ranks_per_node);
+        /* No rank leaves before rank 0 has said why: the first rank to exit makes the
+         * launcher stop the others, rank 0 included. */
+        fflush(stderr);
+        epx_group_barrier(group);
         epx_group_destroy(group);
         return 2;
     }
@@ -481,8 +483,12 @@ int epx__command_bench(int argc, char **argv)
     int64_t launched_ranks = epx__tool_param_int("EPX_WORLD_SIZE");
     int world = options.num_ranks > 0 ? options.num_ranks
                                       : launched_ranks > 0 ? (int)launched_ranks : 1;
-    status = check_shape(&options, world,
-                         launched_ranks == 0 || epx__tool_param_int("EPX_RANK") <= 0);
+    /* Inside a launch only rank 0 checks (the others have the same arguments): it says
+     * why and exits, and the launcher stops the others, still waiting for it in the
+     * rendezvous. A rank that exited first would get rank 0 stopped before it spoke. */
+    status = launched_ranks == 0 || epx__tool_param_int("EPX_RANK") <= 0
+                 ? check_shape(&options, world)
+                 : -1;
     if (status >= 0) {
         free(launch_only);
         return status;
