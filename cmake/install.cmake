@@ -11,8 +11,8 @@
 #   PREFIX/lib/cmake/epx/epx-config.cmake, epx-config-version.cmake, epx-targets*.cmake
 include(CMakePackageConfigHelpers)
 
-# The epx command links the library statically but loads the NVSHMEM plugin by name when
-# it is not beside the executable: its run path points at the installed library directory.
+# The epx command links libepx.so (which finds the NVSHMEM plugin beside itself): its run
+# path points at the installed library directory.
 file(RELATIVE_PATH EPX_BIN_TO_LIB ${CMAKE_INSTALL_FULL_BINDIR} ${CMAKE_INSTALL_FULL_LIBDIR})
 # Link directories outside the system ones (the CUDA runtime's) stay in the run path, so
 # an installed copy starts wherever the build did.

@@ -51,7 +51,7 @@ int main(void)
     void *stream = NULL;
     epx_group_t group;
     CHECK(epx_group_create_from_env(EPX_BACKEND_HOST, &group)); /* ranks set up by epx launch */
-    epx_group_info_t info;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
     CHECK(epx_group_get_info(group, &info));
 
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;

@@ -62,8 +62,9 @@ epx_status_t epx_buffer_size_plan(epx_backend_t backend, int world_size, int ran
 
 /*
  * Find and load the NVSHMEM plugin (libepx_nvshmem.so) as a low-latency CUDA buffer would
- * (EPX_NVSHMEM_PLUGIN, beside libepx, the build directory): its path (written to `path`,
- * `path_size` bytes) and the NVSHMEM version linked into it. Starts nothing: NVSHMEM is
+ * (EPX_NVSHMEM_PLUGIN, beside libepx, the build directory when libepx runs from it, the
+ * loader's path): its path (written to `path`, `path_size` bytes) and the NVSHMEM version
+ * linked into it. Starts nothing: NVSHMEM is
  * not initialised. EPX_ERR_UNSUPPORTED, with where it looked, when the plugin is absent,
  * does not load, or this build has no CUDA backend.
  */

@@ -1,17 +1,21 @@
 """Build step of `pip install ./python`: build epx with CMake and bundle it.
 
 CMake builds the repository this directory sits in (../CMakeLists.txt) and installs it
-into a staging directory (`cmake --install`); the package then carries, in epx/_lib/:
+into a staging directory (`cmake --install`, with the package's own directory names, so
+that the run paths CMake writes hold inside the package); the package then carries:
 
-    libepx.so           the library (epx/_library.py loads it)
-    epx                 the `epx` command (launch, bench, doctor, params), which the
-                        console script `epx` runs (epx/_cli.py)
-    libepx_nvshmem.so   the NVSHMEM plugin (low-latency mode on GPUs), when the build
-                        found NVSHMEM: NVSHMEM_HOME, or the nvidia-nvshmem-cu13 wheel of
-                        the Python that runs this (so use --no-build-isolation from an
-                        environment that has it). Its runtime, libnvshmem_host.so.3, comes
-                        from the nvidia-nvshmem-cu13 wheel in the same site-packages
-                        (`pip install "./python[gpu]"`), else from where it was at build time.
+    _lib/libepx.so.0         the library (epx/_library.py loads it)
+    _bin/epx                 the `epx` command (launch, bench, doctor, params), which the
+                             console script `epx` runs (epx/_cli.py); it finds
+                             libepx.so.0 through its run path, $ORIGIN/../_lib
+    _lib/libepx_nvshmem.so   the NVSHMEM plugin (low-latency mode on GPUs), when the build
+                             found NVSHMEM: NVSHMEM_HOME, or the nvidia-nvshmem-cu13
+                             wheel of the Python that runs this (so use
+                             --no-build-isolation from an environment that has it); libepx
+                             loads it from beside itself. Its runtime, libnvshmem_host.so.3,
+                             comes from the nvidia-nvshmem-cu13 wheel in the same
+                             site-packages (`pip install "./python[gpu]"`), else from where
+                             it was at build time.
 
 Environment (not EPX_*: the library warns about EPX_* names it does not know):
     CMAKE_ARGS                  extra CMake arguments, e.g. "-DEPX_WITH_CUDA=OFF"
@@ -66,7 +70,7 @@ def _build_and_stage(build_dir, stage_dir):
                            "libepx.so; install them (e.g. apt-get install cmake "
                            "build-essential) or set EPXPY_SKIP_BUILD=1")
     configure = [cmake, "-S", REPO, "-B", build_dir, "-DCMAKE_BUILD_TYPE=Release",
-                 "-DCMAKE_INSTALL_LIBDIR=lib", "-DCMAKE_INSTALL_BINDIR=bin",
+                 "-DCMAKE_INSTALL_LIBDIR=_lib", "-DCMAKE_INSTALL_BINDIR=_bin",
                  "-DPython3_EXECUTABLE=" + sys.executable,
                  "-DEPX_NVSHMEM_RPATH=" + NVSHMEM_WHEEL_RPATH]
     configure += shlex.split(_env("CMAKE_ARGS", "EPX_CMAKE_ARGS"))
@@ -83,14 +87,15 @@ def _build_and_stage(build_dir, stage_dir):
     shutil.rmtree(stage_dir, ignore_errors=True)
     subprocess.check_call([cmake, "--install", build_dir, "--prefix", stage_dir],
                           stdout=subprocess.DEVNULL)
-    libraries = sorted(glob.glob(os.path.join(stage_dir, "lib", "libepx.so.*")))
-    if not libraries:
-        raise RuntimeError("epx: `cmake --install` put no libepx.so in %s/lib" % stage_dir)
-    # The real file (libepx.so.X.Y.Z), bundled under the name the loader looks for.
-    files = {"libepx.so": os.path.realpath(libraries[0]),
-             "epx": os.path.join(stage_dir, "bin", "epx")}
+    library = os.path.join(stage_dir, "_lib", "libepx.so.0")
+    if not os.path.exists(library):
+        raise RuntimeError("epx: `cmake --install` put no libepx.so.0 in %s/_lib" % stage_dir)
+    # The real file (libepx.so.X.Y.Z) under its soname, which the epx executable needs and
+    # epx/_library.py looks for.
+    files = {"_lib/libepx.so.0": os.path.realpath(library),
+             "_bin/epx": os.path.join(stage_dir, "_bin", "epx")}
     if with_plugin:
-        files["libepx_nvshmem.so"] = os.path.join(stage_dir, "lib", "libepx_nvshmem.so")
+        files["_lib/libepx_nvshmem.so"] = os.path.join(stage_dir, "_lib", "libepx_nvshmem.so")
     return files
 
 
@@ -102,12 +107,14 @@ class BuildWithLibrary(build_py):
         build_dir = os.path.abspath(os.environ.get("EPXPY_BUILD_DIR") or
                                     os.path.join(HERE, "build", "cmake"))
         files = _build_and_stage(build_dir, os.path.join(build_dir, "stage"))
-        # Everything in one directory: libepx and the epx command look for the NVSHMEM
-        # plugin beside themselves.
-        target_dir = os.path.join(self.build_lib, "epx", "_lib")
-        os.makedirs(target_dir, exist_ok=True)
+        # A build directory reused from an earlier install may hold files this build
+        # does not make (a library under another name): start the bundle afresh.
+        for directory in ("_lib", "_bin"):
+            shutil.rmtree(os.path.join(self.build_lib, "epx", directory), ignore_errors=True)
         for name, source in files.items():
-            shutil.copy(source, os.path.join(target_dir, name))  # keeps the mode (+x)
+            target = os.path.join(self.build_lib, "epx", name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy(source, target)  # keeps the mode (+x)
 
 
 class BinaryDistribution(Distribution):

@@ -1,13 +1,12 @@
 """The `epx` console command of the installed package (`pip install ./python`): runs the
-epx executable bundled beside libepx.so (epx/_lib/epx), so that `epx launch`, `epx bench`,
-`epx doctor` and `epx params` work from the environment's bin/ directory."""
+epx executable bundled with it (epx/_bin/epx, which uses the bundled epx/_lib/libepx.so.0),
+so that `epx launch`, `epx bench`, `epx doctor` and `epx params` work from the
+environment's bin/ directory."""
 
 import os
 import sys
 
-from ._library import _BUNDLED_DIR
-
-BUNDLED_EXECUTABLE = os.path.join(_BUNDLED_DIR, "epx")
+BUNDLED_EXECUTABLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bin", "epx")
 
 
 def main():

@@ -6,8 +6,8 @@ mismatched build is reported instead of silently replaced by another one):
 
 1. ``EPX_LIBRARY`` -- a path to the library file (read here, in Python: the C library's
    own rule against ``getenv`` is about C code);
-2. the copy bundled into the installed package (``epx/_lib/libepx.so``), which
-   ``pip install ./python`` builds with CMake;
+2. the copy bundled into the installed package (``epx/_lib/libepx.so`` or
+   ``epx/_lib/libepx.so.0``, which ``pip install ./python`` builds with CMake);
 3. the repository's ``build/`` directory next to the package source
    (``<repo>/build/libepx.so``), for a checkout used with ``PYTHONPATH=python``;
 4. the system loader (``ctypes.util.find_library("epx")``, then ``libepx.so.0``).

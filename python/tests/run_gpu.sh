@@ -53,7 +53,7 @@ if [ "$what" = wheel ]; then
         "$py" -c "import sys, setuptools.build_meta as backend; print(backend.build_wheel(sys.argv[1]))" \
         "$work/dist" >"$work/build_wheel.log" 2>&1) || { tail -40 "$work/build_wheel.log"; exit 1; }
     wheel_file="$(ls "$work"/dist/epx-*.whl)"
-    "$py" -m zipfile -l "$wheel_file" | grep -E 'epx/_lib/' || true
+    "$py" -m zipfile -l "$wheel_file" | grep -E 'epx/_(lib|bin)/' || true
     "$py" -m zipfile -l "$wheel_file" | grep 'epx/_lib/libepx_nvshmem.so' >/dev/null || {
         echo "run_gpu.sh: the wheel has no NVSHMEM plugin (is nvidia-nvshmem-cu13 in $py's environment?)" >&2
         exit 1
