@@ -9,6 +9,13 @@ foreach(case ${EPX_TOOLS_TEST_CASES})
   add_test(NAME tools.${case} COMMAND sh ${EPX_TOOLS_TEST_SCRIPT} $<TARGET_FILE:epx_tool> ${case})
   set_tests_properties(tools.${case} PROPERTIES TIMEOUT 120)
 endforeach()
+# The command must say what this build has (it links libepx.so, whose build flags it
+# does not inherit).
+if(EPX_HAVE_CUDA)
+  set_tests_properties(tools.version PROPERTIES ENVIRONMENT "EPXTEST_CUDA=built")
+else()
+  set_tests_properties(tools.version PROPERTIES ENVIRONMENT "EPXTEST_CUDA=not built")
+endif()
 
 add_executable(test_bench_helpers ${CMAKE_CURRENT_LIST_DIR}/tools/test_bench_helpers.c
                ${CMAKE_SOURCE_DIR}/tools/bench/bench_check.c

@@ -185,6 +185,7 @@ version)
     expect_rc 0
     expect_out '^epx [0-9]*\.[0-9]*\.[0-9]*$'
     expect_out 'cuda (\(not \)\{0,1\}built)'
+    [ -z "${EPXTEST_CUDA:-}" ] || expect_out "cuda ($EPXTEST_CUDA)"
     ;;
 bench_bad_flag)
     run "$EPX" bench --bogus
