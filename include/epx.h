@@ -22,6 +22,16 @@
  *     same order. If one rank fails inside an operation, the others return
  *     EPX_ERR_REMOTE naming that rank (or EPX_ERR_TIMEOUT if it stops answering) and
  *     the buffer is then unusable (every later call returns the first error).
+ *     Exception: a call refused for its form (EPX_ERR_INVALID_ARG from the checks of this
+ *     rank's own arguments: a struct size, a missing or extra tensor, a dtype or shape,
+ *     a stale handle) has no effect on the rank that made it; when every rank made the
+ *     same mistake the buffer stays usable on all. The peers that did enter the call get
+ *     EPX_ERR_REMOTE naming the rank and fail as above (on the CUDA backend the refusing
+ *     rank's buffer fails too). Errors that depend on the rank's data (EPX_ERR_CAPACITY,
+ *     expert ids out of range) fail the buffer like any other failure.
+ *   - A group, buffer or handle that was destroyed (or never made by epx) is refused with
+ *     EPX_ERR_INVALID_ARG wherever it is passed, destroying it again included; the
+ *     library never reads the object to find out (it keeps a set of live objects).
  *   - `stream` is a cudaStream_t for the CUDA backend (NULL = default stream) and is
  *     ignored by the host backend.
  */
@@ -167,7 +177,10 @@ typedef struct {
 epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *group);
 /*
  * From the environment `epx launch` sets (EPX_RANK, EPX_WORLD_SIZE, EPX_UNIQUE_ID,
- * EPX_LOCAL_RANK). A process started without a launcher becomes a group of one.
+ * EPX_LOCAL_RANK, EPX_RANKS_PER_NODE; EPX_BACKEND when `backend` is AUTO), read at this
+ * call, so variables set with setenv after an earlier epx call count. A process where
+ * none of EPX_RANK, EPX_WORLD_SIZE and EPX_UNIQUE_ID is set becomes a group of one; one
+ * where only some are set is refused with EPX_ERR_INVALID_ARG naming what is missing.
  */
 epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group);
 /*
@@ -291,15 +304,24 @@ typedef struct {
     size_t size;
     epx_tensor_t x;            /* [tokens, hidden] bf16, or fp8 e4m3 */
     epx_tensor_t x_scales;     /* [tokens, hidden/128] fp32 when x is fp8; row or column major */
-    epx_tensor_t topk_idx;     /* [tokens, num_topk] int64; not needed in cached mode */
-    epx_tensor_t topk_weights; /* [tokens, num_topk] fp32, optional */
+    /* [tokens, num_topk] int64, -1 = none; an expert named twice in a token's row counts
+     * once (the token goes to it once; recv_topk_idx keeps both entries). Ignored in
+     * cached mode (may be given; the routing comes from the handle). */
+    epx_tensor_t topk_idx;
+    /* [tokens, num_topk] fp32, optional; ignored in cached mode (no recv_topk_weights). */
+    epx_tensor_t topk_weights;
     epx_handle_t handle;       /* non-NULL: cached mode, reuse this routing */
     int expert_alignment;      /* per-expert counts rounded up to this; 0 or 1 = none */
     uint32_t flags;            /* EPX_DISPATCH_* */
     /*
-     * Optional outputs. data == NULL: the result is a view into the buffer, valid until
-     * this rank's next operation on the buffer. Given: rows >= received tokens (or the
-     * worst case, max_tokens_per_rank * world_size, with EPX_DISPATCH_WORST_CASE).
+     * Optional outputs, all or none: with recv_x given, every other output this dispatch
+     * produces must be given too (recv_x_scales for fp8 x, recv_topk_idx and
+     * recv_topk_weights when topk_idx / topk_weights are given in fresh mode), and none
+     * it does not produce; without recv_x, none. Otherwise EPX_ERR_INVALID_ARG (a form
+     * error: see the conventions at the top). data == NULL: the result is a view into the
+     * buffer, valid until this rank's next operation on the buffer. Given: rows >=
+     * received tokens (or the worst case, max_tokens_per_rank * world_size, with
+     * EPX_DISPATCH_WORST_CASE).
      */
     epx_tensor_t recv_x;            /* [rows, hidden] same dtype as x */
     epx_tensor_t recv_x_scales;     /* [rows, hidden/128] fp32 */
@@ -457,12 +479,18 @@ epx_status_t epx_handle_destroy(epx_handle_t handle);
  * not poison the buffer (the peers' call then ends in a timeout naming this rank).
  *
  * Failed peers. A low-latency wait that a peer does not answer within the group's
- * timeout, or whose process exited or published a failure, returns EPX_ERR_TIMEOUT or
- * EPX_ERR_REMOTE naming the rank and stage, masks that rank on this rank (as
- * epx_ll_mask_rank), abandons the step (its handle becomes invalid) and leaves the buffer
- * usable. A masked rank is left out of later calls: nothing is sent to it or awaited
- * from it, its rows are absent from dispatch results, and its experts' rows come back
- * to combine as zeros; the entries so affected are counted in the results.
+ * timeout, or whose process exited or published a failure, masks that rank on this rank
+ * (as epx_ll_mask_rank) and completes the step with the other ranks: the results are
+ * written, the handle is valid and the step goes on (combine, receive) as if nothing had
+ * happened, so all survivors stay in step whichever of their calls saw the loss. The
+ * loss is reported, naming the rank and stage, by epx_get_async_error (it does not
+ * poison the buffer) and, where the wait runs on the host (CPU backend), as the call's
+ * own return value EPX_ERR_TIMEOUT or EPX_ERR_REMOTE, the one case where a call that
+ * returns an error has written its results. On the GPU the call returned before the
+ * wait, so the async error is the only report. A masked rank is left out of later
+ * calls: nothing is sent to it or awaited from it, its rows are absent from dispatch
+ * results, and its experts' rows come back to combine as zeros; the entries so affected
+ * are counted in the results.
  */
 
 /* Flags of epx_ll_dispatch and epx_ll_combine. */
@@ -563,8 +591,10 @@ typedef struct {
 
 typedef struct {
     size_t size;
-    /* Top-k entries whose expert's rank is masked, so they added zero; -1
-     * where the backend cannot count without a host sync. Final after the receive. */
+    /* Top-k entries whose expert's rank is masked, so they added zero; -1 where the
+     * backend cannot count without a host sync (GPU). With EPX_LL_SEND_ONLY the combine
+     * writes -1 and keeps a pointer to this struct, and epx_ll_receive writes the final
+     * count into it: the struct must stay valid until that receive. */
     int64_t num_masked_entries;
 } epx_ll_combine_result_t;
 

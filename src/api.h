@@ -15,4 +15,11 @@
 epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op);
 epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
 
+/*
+ * epx_buffer_size without the check that `group` is a live group: for
+ * epx_buffer_size_plan (src/plan.c), which asks on a group it made up on the stack.
+ */
+epx_status_t epx__buffer_size(epx_group_t group, const epx_buffer_config_t *config,
+                              size_t *bytes_per_rank);
+
 #endif /* EPX_API_H */

@@ -1,17 +1,30 @@
 /*
  * API entry points for buffers and operations: validate, then hand to the backend.
  *
- * Operations on a buffer are collective. When one fails on this rank (bad argument,
+ * Operations on a buffer are collective. When one fails on this rank (bad input data,
  * peer failure, timeout), the buffer records the error and the backend tells the
  * peers, so that their waits end with EPX_ERR_REMOTE instead of a timeout. Every later
  * call on the buffer returns the recorded error: the ranks no longer agree on where
  * they are in the sequence of operations, so continuing could only hang or corrupt.
+ *
+ * One class of error is exempt: a call whose form is wrong (EPX_ERR_INVALID_ARG from
+ * the argument checks: a struct size, a missing or extra tensor, a dtype or a shape, a
+ * stale handle), found on this rank before anything is exchanged. Ranks run the same
+ * code, so such a mistake is usually made, and refused, on every rank at once; then no
+ * rank waits and poisoning the buffer would only throw it away. So the call returns the
+ * error with no effect here, and the backend lets the peers that did enter the call
+ * know (EPX_ERR_REMOTE naming this rank; theirs is then a failure like any other).
+ * A backend without that means (no `refuse` entry: CUDA) poisons as before. Errors that
+ * depend on this rank's data (more tokens than the buffer holds: EPX_ERR_CAPACITY;
+ * expert ids out of range) differ between ranks, so they still poison and tell the
+ * peers at once.
  */
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "api.h"
+#include "core/objects.h"
 #include "validate.h"
 
 /* A collective operation failed on this rank: record it and tell the peers. */
@@ -21,6 +34,20 @@ epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status)
     epx__buffer_set_async_error(buffer, status, message);
     if (buffer->ops->abort != NULL)
         buffer->ops->abort(buffer, status, message);
+    return status;
+}
+
+/*
+ * A normal-mode call refused for its form on this rank, before any exchange: no effect
+ * here; the peers waiting in the call learn it (see the file comment). A backend that
+ * cannot say so treats it as any other failure.
+ */
+static epx_status_t refuse_call(epx_buffer_t buffer, epx_status_t status)
+{
+    if (buffer->ops->refuse == NULL)
+        return epx__buffer_fail(buffer, status);
+    buffer->ops->refuse(buffer, epx_last_error());
+    buffer->refused = 1;
     return status;
 }
 
@@ -42,6 +69,13 @@ epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *confi
                              size_t *bytes_per_rank)
 {
     epx__clear_error();
+    EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "buffer_size", "group"));
+    return epx__buffer_size(group, config, bytes_per_rank);
+}
+
+epx_status_t epx__buffer_size(epx_group_t group, const epx_buffer_config_t *config,
+                              size_t *bytes_per_rank)
+{
     EPX_CHECK(epx__validate_buffer_config(group, config));
     if (bytes_per_rank == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_size: bytes_per_rank is NULL");
@@ -113,8 +147,7 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
                                epx_buffer_t *buffer_out)
 {
     epx__clear_error();
-    if (group == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_create: group is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "buffer_create", "group"));
     epx_status_t status = epx__validate_buffer_config(group, config);
     if (status == EPX_SUCCESS && buffer_out == NULL)
         status = EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_create: buffer is NULL");
@@ -139,9 +172,17 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     buffer->num_local_experts = config->num_experts / group->world_size;
     buffer->ops = ops;
     atomic_init(&buffer->async_error, EPX_SUCCESS);
-    buffer->ll.tag = (uint64_t)(uintptr_t)buffer;
+    static _Atomic uint64_t next_serial = 1;
+    buffer->serial = atomic_fetch_add(&next_serial, 1);
+    buffer->ll.tag = buffer->serial;
     status = ops->buffer_create(buffer);
     if (status != EPX_SUCCESS) {
+        free(buffer);
+        return status;
+    }
+    status = epx__object_add(EPX__OBJECT_BUFFER, buffer);
+    if (status != EPX_SUCCESS) {
+        ops->buffer_destroy(buffer, 0);
         free(buffer);
         return status;
     }
@@ -164,11 +205,19 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer)
     epx__clear_error();
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_destroy: buffer is NULL");
+    /* Removal is the check: of two threads destroying the same buffer, one wins. */
+    if (!epx__object_remove(EPX__OBJECT_BUFFER, buffer))
+        return epx__object_check(EPX__OBJECT_BUFFER, buffer, "buffer_destroy", "buffer");
     epx_group_t group = buffer->group;
     int32_t ready = buffer->ops->destroy_ready != NULL ? buffer->ops->destroy_ready(buffer) : 1;
     epx_status_t status = EPX_SUCCESS;
     int all_ready = 0;
-    if (atomic_load(&buffer->async_error) == EPX_SUCCESS) {
+    /* Every rank must take the same branch here. No vote after a failure (it reached
+     * every rank), nor after a call refused for its form (the peers that entered that
+     * call failed it; when all refused it, all skip alike), nor when the caller
+     * destroyed the group first (its channel is gone). */
+    if (atomic_load(&buffer->async_error) == EPX_SUCCESS && !buffer->refused &&
+        epx__object_live(EPX__OBJECT_GROUP, group)) {
         int32_t *votes = calloc((size_t)group->world_size, sizeof(int32_t));
         if (votes == NULL)
             status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_destroy: out of memory");
@@ -180,7 +229,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer)
         free(votes);
     }
     buffer->ops->buffer_destroy(buffer, all_ready);
-    free(buffer);
+    epx__object_retire(buffer);
     return status;
 }
 
@@ -191,8 +240,7 @@ epx_status_t epx_buffer_destroy(epx_buffer_t buffer)
 epx_status_t epx_buffer_abort(epx_buffer_t buffer, epx_status_t status, const char *message)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer_abort: buffer is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "buffer_abort", "buffer"));
     if (status == EPX_SUCCESS || strcmp(epx_status_name(status), "EPX_UNKNOWN_STATUS") == 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer_abort: status %d is not an error status of epx_status_t",
@@ -209,8 +257,7 @@ epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char 
                                  size_t message_size)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: buffer is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "get_async_error", "buffer"));
     if (error == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_async_error: error is NULL");
     if (buffer->ops->poll_async_error != NULL)
@@ -231,8 +278,7 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
                                      void *stream)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_dispatch_layout: buffer is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "get_dispatch_layout", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "get_dispatch_layout"));
     /* Layout is local: a failure here does not involve (or poison) the peers. */
     EPX_CHECK(epx__validate_layout(buffer, args));
@@ -253,8 +299,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                           epx_dispatch_result_t *result, void *stream)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "dispatch: buffer is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "dispatch", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
     EPX_CHECK(normal_available(buffer, "dispatch"));
     /* Args from before the layout-routing fields were appended: read as the full struct. */
@@ -263,7 +308,20 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
         epx__dispatch_args_read(args, &full);
         args = &full;
     }
+    /* Cached mode takes its routing from the handle: topk_idx and topk_weights, if
+     * given, are ignored (include/epx.h), so the backends never see them. */
+    epx_dispatch_args_t cached;
+    if (args != NULL && args->size == sizeof(*args) && args->handle != NULL) {
+        cached = *args;
+        cached.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
+        cached.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
+        args = &cached;
+    }
+    /* The form of the call is checked on this rank alone, before anything is exchanged:
+     * a mistake there has no effect (see the file comment). */
     epx_status_t status = epx__validate_dispatch(buffer, args, result);
+    if (status == EPX_ERR_INVALID_ARG)
+        return refuse_call(buffer, status);
     if (status == EPX_SUCCESS && args->handle == NULL &&
         (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)) {
         if (epx__tensor_given(&args->topk_idx))
@@ -289,8 +347,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
 epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: buffer is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "combine", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
     EPX_CHECK(normal_available(buffer, "combine"));
     /* Args from before the bias fields were appended: read as the full struct. */
@@ -300,6 +357,8 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
         args = &full;
     }
     epx_status_t status = epx__validate_combine(buffer, args);
+    if (status == EPX_ERR_INVALID_ARG)
+        return refuse_call(buffer, status); /* the form of the call (see the file comment) */
     if (status == EPX_SUCCESS)
         status = buffer->ops->combine(buffer, args, stream);
     if (status != EPX_SUCCESS)
@@ -310,13 +369,11 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
 epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *x)
 {
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: buffer is NULL");
-    if (handle == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "get_combine_input", "buffer"));
+    EPX_CHECK(epx__object_check(EPX__OBJECT_HANDLE, handle, "get_combine_input", "handle"));
     if (x == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: x is NULL");
-    if (handle->buffer != buffer)
+    if (handle->buffer != buffer || handle->buffer_serial != buffer->serial)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle was made by another buffer");
     EPX_CHECK(epx__buffer_check_usable(buffer, "get_combine_input"));
     if (buffer->ops->combine_input == NULL)

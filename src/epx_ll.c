@@ -5,13 +5,17 @@
  * Failure policy. Everything refused here (bad arguments, misuse of the slots) is
  * found before the backend sends a byte, so it has no effect and the buffer stays
  * usable. A backend wait that fails on a peer (EPX_ERR_TIMEOUT, EPX_ERR_REMOTE) has
- * already masked that peer; the step is abandoned and the buffer stays usable, so a
- * serving process survives a lost rank. Any other backend failure poisons the buffer,
- * as in normal mode.
+ * already masked that peer and completed the step with the others: the step goes on
+ * exactly as if the call had succeeded (results written, handle valid, the slot in its
+ * next state), the loss is recorded as the buffer's peer error (epx_get_async_error),
+ * and the call returns it. So every survivor stays in step with the others, whichever
+ * of its calls saw the loss, and a serving process survives a lost rank. Any other
+ * backend failure abandons the step and poisons the buffer, as in normal mode.
  */
 #include <string.h>
 
 #include "api.h"
+#include "core/objects.h"
 #include "validate.h"
 
 static epx_status_t ll_check_backend(epx_buffer_t buffer, const char *op, const void *entry)
@@ -23,13 +27,31 @@ static epx_status_t ll_check_backend(epx_buffer_t buffer, const char *op, const 
     return EPX_SUCCESS;
 }
 
-/* A backend failure: abandon the step; poison the buffer unless a peer was to blame. */
+/* A backend failure that is not a peer's: abandon the step and poison the buffer. */
 static epx_status_t ll_fail(epx_buffer_t buffer, int slot, epx_status_t status)
 {
     buffer->ll.slots[slot].state = EPX__LL_FREE;
-    if (status == EPX_ERR_TIMEOUT || status == EPX_ERR_REMOTE)
-        return status;
+    buffer->ll.slots[slot].combine_result = NULL;
     return epx__buffer_fail(buffer, status);
+}
+
+/*
+ * Sort a backend status: a peer's failure (already masked, step completed) is recorded
+ * as the buffer's peer error, kept in *peer (the first one of the call) and turned into
+ * success for the step's bookkeeping; any other status is returned as it is.
+ */
+static epx_status_t ll_sort_peer_failure(epx_buffer_t buffer, epx_status_t status,
+                                         epx_status_t *peer)
+{
+    if (status != EPX_ERR_TIMEOUT && status != EPX_ERR_REMOTE)
+        return status;
+    int expected = EPX_SUCCESS;
+    if (atomic_compare_exchange_strong(&buffer->ll_peer_error, &expected, (int)status))
+        snprintf(buffer->ll_peer_message, sizeof(buffer->ll_peer_message), "%s",
+                 epx_last_error());
+    if (*peer == EPX_SUCCESS)
+        *peer = status;
+    return EPX_SUCCESS;
 }
 
 static const char *ll_state_name(epx__ll_slot_state_t state)
@@ -85,8 +107,7 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
 {
     const char *op = "ll_dispatch";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     /* Args from before cumulative_local_expert_recv_stats was appended: read as the full
      * struct (the field then reads as not given). */
@@ -117,9 +138,12 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
     s->num_tokens = args->x.shape[0];
     s->state = EPX__LL_DISPATCH_SENT;
     epx_ll_dispatch_result_t local = *result;
-    epx_status_t status = buffer->ops->ll_dispatch(buffer, slot, args, &local, stream);
+    epx_status_t peer = EPX_SUCCESS;
+    epx_status_t status = ll_sort_peer_failure(
+        buffer, buffer->ops->ll_dispatch(buffer, slot, args, &local, stream), &peer);
     if (status == EPX_SUCCESS && !(args->flags & EPX_LL_SEND_ONLY)) {
-        status = buffer->ops->ll_dispatch_receive(buffer, slot, stream);
+        status = ll_sort_peer_failure(buffer, buffer->ops->ll_dispatch_receive(buffer, slot, stream),
+                                      &peer);
         if (status == EPX_SUCCESS)
             s->state = EPX__LL_DISPATCHED;
     }
@@ -127,30 +151,37 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
         return ll_fail(buffer, slot, status);
     local.size = sizeof(local);
     local.handle = ll_make_handle(buffer, slot);
-    *result = local;
-    return EPX_SUCCESS;
+    *result = local; /* also after a peer's failure: the step completed without it */
+    return peer;
 }
 
 epx_status_t epx_ll_receive(epx_buffer_t buffer, epx_ll_handle_t handle, void *stream)
 {
     const char *op = "ll_receive";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     int slot = 0;
     EPX_CHECK(ll_resolve(buffer, handle, op, &slot));
     epx__ll_slot_t *s = &buffer->ll.slots[slot];
-    epx_status_t status;
+    epx_status_t status, peer = EPX_SUCCESS;
     if (s->state == EPX__LL_DISPATCH_SENT) {
-        status = buffer->ops->ll_dispatch_receive(buffer, slot, stream);
+        status = ll_sort_peer_failure(buffer, buffer->ops->ll_dispatch_receive(buffer, slot, stream),
+                                      &peer);
         if (status == EPX_SUCCESS)
             s->state = EPX__LL_DISPATCHED;
     } else if (s->state == EPX__LL_COMBINE_SENT) {
-        status = buffer->ops->ll_combine_receive(buffer, slot, NULL, stream);
-        if (status == EPX_SUCCESS)
+        epx_ll_combine_result_t local = EPX_LL_COMBINE_RESULT_INIT;
+        status = ll_sort_peer_failure(
+            buffer, buffer->ops->ll_combine_receive(buffer, slot, &local, stream), &peer);
+        if (status == EPX_SUCCESS) {
             s->state = EPX__LL_COMBINED;
+            /* The result given to the send receives the final count (include/epx.h). */
+            if (s->combine_result != NULL)
+                s->combine_result->num_masked_entries = local.num_masked_entries;
+            s->combine_result = NULL;
+        }
     } else {
         return EPX_ERROR(EPX_ERR_INVALID_STATE,
                          "%s: nothing is pending for this handle (slot %d: %s); receive "
@@ -159,7 +190,7 @@ epx_status_t epx_ll_receive(epx_buffer_t buffer, epx_ll_handle_t handle, void *s
     }
     if (status != EPX_SUCCESS)
         return ll_fail(buffer, slot, status);
-    return EPX_SUCCESS;
+    return peer;
 }
 
 epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,
@@ -167,8 +198,7 @@ epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *ar
 {
     const char *op = "ll_combine";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
@@ -195,20 +225,25 @@ epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *ar
         EPX_CHECK(epx__validate_topk_values(op, &args->topk_idx, buffer->config.num_experts));
 
     s->state = EPX__LL_COMBINE_SENT;
-    epx_status_t status = buffer->ops->ll_combine(buffer, slot, args, stream);
+    s->combine_result = NULL;
+    epx_status_t peer = EPX_SUCCESS;
+    epx_status_t status =
+        ll_sort_peer_failure(buffer, buffer->ops->ll_combine(buffer, slot, args, stream), &peer);
     epx_ll_combine_result_t local = EPX_LL_COMBINE_RESULT_INIT;
     if (status == EPX_SUCCESS && !(args->flags & EPX_LL_SEND_ONLY)) {
-        status = buffer->ops->ll_combine_receive(buffer, slot, &local, stream);
+        status = ll_sort_peer_failure(
+            buffer, buffer->ops->ll_combine_receive(buffer, slot, &local, stream), &peer);
         if (status == EPX_SUCCESS)
             s->state = EPX__LL_COMBINED;
     } else if (status == EPX_SUCCESS) {
-        local.num_masked_entries = -1; /* known after the receive */
+        local.num_masked_entries = -1; /* the receive writes the count into `result` */
+        s->combine_result = result;
     }
     if (status != EPX_SUCCESS)
         return ll_fail(buffer, slot, status);
     if (result != NULL)
         *result = local;
-    return EPX_SUCCESS;
+    return peer;
 }
 
 epx_status_t epx_ll_get_combine_buffer(epx_buffer_t buffer, epx_ll_handle_t handle,
@@ -216,8 +251,7 @@ epx_status_t epx_ll_get_combine_buffer(epx_buffer_t buffer, epx_ll_handle_t hand
 {
     const char *op = "ll_get_combine_buffer";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     if (x == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: x is NULL", op);
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
@@ -242,8 +276,7 @@ epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int rank)
 {
     const char *op = "ll_mask_rank";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_mask_rank));
     if (rank < 0 || rank >= buffer->group->world_size)
@@ -259,8 +292,7 @@ epx_status_t epx_ll_get_masked(epx_buffer_t buffer, int32_t *mask, int count)
 {
     const char *op = "ll_get_masked";
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     if (mask == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: mask is NULL", op);
     if (count < buffer->group->world_size)
@@ -277,8 +309,7 @@ epx_status_t epx_ll_clean_buffer(epx_buffer_t buffer, void *stream)
     const char *op = "ll_clean_buffer";
     (void)stream;
     epx__clear_error();
-    if (buffer == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: buffer is NULL", op);
+    EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     for (int slot = 0; slot < 2; slot++) {
         epx__ll_slot_state_t state = buffer->ll.slots[slot].state;

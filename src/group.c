@@ -14,6 +14,7 @@
 #include <strings.h>
 
 #include "api.h"
+#include "core/objects.h"
 
 /* What every rank must agree on, exchanged right after the bootstrap is up. */
 typedef struct {
@@ -115,8 +116,11 @@ static epx_status_t resolve_group(const epx_group_config_t *config, struct epx_g
     EPX_CHECK(resolve_backend(config->backend, &group->backend));
 
     /* A launcher knows the real placement on the node; without one, assume ranks are
-     * placed node by node in rank order. */
-    int64_t local_rank = epx__param_int(EPX_PARAM_LOCAL_RANK);
+     * placed node by node in rank order. Read now: the launcher's variables may have
+     * been set after the settings were cached. */
+    int64_t local_rank = -1;
+    int is_set = 0;
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_LOCAL_RANK, &is_set, &local_rank, NULL, 0));
     group->local_rank = local_rank >= 0 ? (int)local_rank : config->rank % group->ranks_per_node;
 
     group->device = -1;
@@ -195,6 +199,7 @@ epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *gro
                                                  &created->bootstrap),
                        status, err_free);
     EPX_CHECK_GOTO(check_agreement(created), status, err_bootstrap);
+    EPX_CHECK_GOTO(epx__object_add(EPX__OBJECT_GROUP, created), status, err_bootstrap);
 
     epx__log_set_rank(created->rank);
     EPX_INFO(EPX_SUBSYS_CORE,
@@ -211,21 +216,27 @@ err_free:
     return status;
 }
 
-/* EPX_BACKEND text to the enum (params.c already checked it is one of the names). */
-static epx_status_t backend_from_param(epx_backend_t *backend)
+/* EPX_BACKEND text to the enum (read now, like the launcher's variables). */
+static epx_status_t backend_from_env(epx_backend_t *backend)
 {
-    const char *text = epx__param_string(EPX_PARAM_BACKEND);
+    char text[32];
+    int is_set = 0;
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_BACKEND, &is_set, NULL, text, sizeof(text)));
     const epx_backend_t all[] = {EPX_BACKEND_AUTO, EPX_BACKEND_HOST, EPX_BACKEND_CUDA};
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++) {
-        if (text != NULL && strcasecmp(text, epx_backend_name(all[i])) == 0) {
+        if (strcasecmp(text, epx_backend_name(all[i])) == 0) {
             *backend = all[i];
             return EPX_SUCCESS;
         }
     }
-    return EPX_ERROR(EPX_ERR_INVALID_ARG, "group: EPX_BACKEND=%s is not auto, host or cuda",
-                     text != NULL ? text : "");
+    return EPX_ERROR(EPX_ERR_INVALID_ARG, "group: EPX_BACKEND=%s is not auto, host or cuda", text);
 }
 
+/*
+ * The launcher's variables are read at this call, not from the settings cached by the
+ * first epx call: a program may set them (setenv) after it used epx. Any of them set
+ * means a launcher meant a group; only when none is set is the process a group of one.
+ */
 epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group)
 {
     epx__clear_error();
@@ -237,15 +248,29 @@ epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group
                          (int)backend);
     EPX_CHECK(epx__params_load());
     if (backend == EPX_BACKEND_AUTO)
-        EPX_CHECK(backend_from_param(&backend));
+        EPX_CHECK(backend_from_env(&backend));
+
+    int64_t world_size = 0, rank = -1, ranks_per_node = 0;
+    int world_set = 0, rank_set = 0, id_set = 0, per_node_set = 0;
+    char id_text[EPX_UNIQUE_ID_BYTES * 2 + 64];
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_WORLD_SIZE, &world_set, &world_size, NULL, 0));
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_RANK, &rank_set, &rank, NULL, 0));
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_UNIQUE_ID, &id_set, NULL, id_text, sizeof(id_text)));
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_RANKS_PER_NODE, &per_node_set, &ranks_per_node,
+                                  NULL, 0));
 
     epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
     config.backend = backend;
-    int64_t world_size = epx__param_int(EPX_PARAM_WORLD_SIZE);
-    if (world_size == 0) /* not started by a launcher: a group of one */
-        return epx_group_create(&config, group);
+    if (world_size == 0) {
+        if (rank_set || id_set)
+            return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                             "group: %s is set but EPX_WORLD_SIZE is not (a launcher sets "
+                             "EPX_RANK, EPX_WORLD_SIZE and EPX_UNIQUE_ID together; unset them "
+                             "all for a group of one)",
+                             rank_set ? "EPX_RANK" : "EPX_UNIQUE_ID");
+        return epx_group_create(&config, group); /* not started by a launcher */
+    }
 
-    int64_t rank = epx__param_int(EPX_PARAM_RANK);
     if (rank < 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "group: EPX_RANK is not set but EPX_WORLD_SIZE=%" PRId64
@@ -258,11 +283,10 @@ epx_status_t epx_group_create_from_env(epx_backend_t backend, epx_group_t *group
                          rank, world_size);
     config.rank = (int)rank;
     config.world_size = (int)world_size;
-    config.ranks_per_node = (int)epx__param_int(EPX_PARAM_RANKS_PER_NODE);
+    config.ranks_per_node = (int)ranks_per_node;
     epx_unique_id_t id;
-    const char *id_text = epx__param_string(EPX_PARAM_UNIQUE_ID);
     if (world_size > 1) {
-        if (id_text == NULL || id_text[0] == '\0')
+        if (!id_set)
             return EPX_ERROR(EPX_ERR_INVALID_ARG,
                              "group: EPX_UNIQUE_ID is not set but EPX_WORLD_SIZE=%" PRId64
                              " (a launcher sets both)",
@@ -283,20 +307,23 @@ epx_status_t epx_group_destroy(epx_group_t group)
     epx__clear_error();
     if (group == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_destroy: group is NULL");
+    /* Removal is the check: of two threads destroying the same group, one wins. */
+    if (!epx__object_remove(EPX__OBJECT_GROUP, group))
+        return epx__object_check(EPX__OBJECT_GROUP, group, "epx_group_destroy", "group");
     const epx__backend_ops_t *ops = epx__backend_find(group->backend);
     if (ops != NULL && ops->group_destroy != NULL)
         ops->group_destroy(group);
     epx__bootstrap_destroy(group->bootstrap);
-    free(group);
+    epx__object_retire(group);
     return EPX_SUCCESS;
 }
 
 epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info)
 {
     epx__clear_error();
-    if (group == NULL || info == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_get_info: %s is NULL",
-                         group == NULL ? "group" : "info");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "epx_group_get_info", "group"));
+    if (info == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_get_info: info is NULL");
     if (info->size != sizeof(epx_group_info_t))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "epx_group_get_info: info.size is %zu, expected %zu (use "
@@ -316,16 +343,14 @@ epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info)
 epx_status_t epx_group_barrier(epx_group_t group)
 {
     epx__clear_error();
-    if (group == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_barrier: group is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "epx_group_barrier", "group"));
     return epx__bootstrap_barrier(group->bootstrap);
 }
 
 epx_status_t epx_group_allgather(epx_group_t group, const void *send, void *recv, size_t bytes)
 {
     epx__clear_error();
-    if (group == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_allgather: group is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "epx_group_allgather", "group"));
     if (send == NULL || recv == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "epx_group_allgather: %s is NULL",
                          send == NULL ? "send" : "recv");

@@ -1,16 +1,17 @@
 /*
  * Handle entry points. Backends make handles (epx__handle_alloc, src/ops/backend.c);
- * the caller reads and destroys them here.
+ * the caller reads and destroys them here. A handle is used only once the registry of
+ * live objects (src/core/objects.h) knows it: a destroyed one is refused, not read.
  */
 #include <stdlib.h>
 
 #include "api.h"
+#include "core/objects.h"
 
 epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info)
 {
     epx__clear_error();
-    if (handle == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "handle_get_info: handle is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_HANDLE, handle, "handle_get_info", "handle"));
     if (info == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "handle_get_info: info is NULL");
     if (info->size != sizeof(epx_handle_info_t))
@@ -65,6 +66,9 @@ epx_status_t epx_handle_destroy(epx_handle_t handle)
     epx__clear_error();
     if (handle == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "handle_destroy: handle is NULL");
-    epx__handle_free(handle);
+    /* Removal is the check: of two threads destroying the same handle, one wins. */
+    if (!epx__object_remove(EPX__OBJECT_HANDLE, handle))
+        return epx__object_check(EPX__OBJECT_HANDLE, handle, "handle_destroy", "handle");
+    epx__handle_release(handle);
     return EPX_SUCCESS;
 }

@@ -41,7 +41,7 @@ epx_status_t epx_buffer_size_plan(epx_backend_t backend, int world_size, int ran
     group.backend = backend;
     group.device = backend == EPX_BACKEND_CUDA ? 0 : -1;
     group.timeout_ms = epx__param_int(EPX_PARAM_TIMEOUT_MS);
-    return epx_buffer_size(&group, config, bytes_per_rank);
+    return epx__buffer_size(&group, config, bytes_per_rank);
 }
 
 epx_status_t epx_nvshmem_plugin_probe(char *path, size_t path_size, int version[3])

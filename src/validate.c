@@ -4,6 +4,7 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "core/objects.h"
 #include "validate.h"
 
 /* Largest hidden size accepted; keeps row byte counts far from overflow. */
@@ -256,7 +257,8 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
                              "is_token_in_rank has no top-k outputs)",
                              op);
     } else if (args->handle != NULL) {
-        if (args->handle->buffer != buffer)
+        EPX_CHECK(epx__object_check(EPX__OBJECT_HANDLE, args->handle, op, "handle"));
+        if (args->handle->buffer != buffer || args->handle->buffer_serial != buffer->serial)
             return EPX_ERROR(EPX_ERR_INVALID_ARG,
                              "%s: handle was made by another buffer", op);
         if (args->handle->num_tokens != tokens)
@@ -338,7 +340,8 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
     const struct epx_handle *handle = args->handle;
     if (handle == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: handle is required (from dispatch)", op);
-    if (handle->buffer != buffer)
+    EPX_CHECK(epx__object_check(EPX__OBJECT_HANDLE, handle, op, "handle"));
+    if (handle->buffer != buffer || handle->buffer_serial != buffer->serial)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: handle was made by another buffer", op);
     const epx_buffer_config_t *config = &buffer->config;
     /* A worst-case-mode handle of a GPU backend may not know its row count on the host. */

@@ -17,7 +17,12 @@ class EpxError(RuntimeError):
         status_name: ``"EPX_ERR_INVALID_ARG"``, ...
         message: what was wrong: the C library's epx_last_error() text (which rank, which
             stage, which argument), or the Python layer's own check.
+        result: for a low-latency call that lost a peer (ERR_TIMEOUT / ERR_REMOTE): what
+            the call returns on success, since the step completed without that peer
+            (include/epx.h, "Failed peers"); None otherwise.
     """
+
+    result = None
 
     def __init__(self, status, message):
         try:
@@ -39,6 +44,21 @@ def check(status, what=""):
         message = (what + ": " if what else "") + _capi.api().epx_status_string(
             status).decode()
     raise EpxError(status, message)
+
+
+def peer_lost(status):
+    """Is `status` a low-latency wait that lost a peer (the step completed without it)?"""
+    return status in (int(Status.ERR_TIMEOUT), int(Status.ERR_REMOTE))
+
+
+def peer_lost_error(status, what, result):
+    """The EpxError of a low-latency call that lost a peer, carrying its `result`."""
+    try:
+        check(status, what)
+    except EpxError as error:
+        error.result = result
+        return error
+    return None
 
 
 def invalid_argument(message):

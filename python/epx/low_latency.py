@@ -8,7 +8,7 @@ send/receive split (docs/LOW_LATENCY.md).
 
 import ctypes
 
-from . import _capi, _frameworks, _tensor
+from . import _capi, _frameworks, _tensor, errors
 from .errors import check, invalid_argument
 
 _NOT_IMPLEMENTED_STATS = ("%s: %s is not supported by epx (the counts are in recv_count; "
@@ -98,18 +98,24 @@ class LowLatencyMixin:
                       % ("out" if call.op == "low_latency_combine"
                          else "cumulative_local_expert_recv_stats"))
 
-    def _ll_hook(self, handle, stream, what, keepalive):
+    def _ll_hook(self, handle, stream, what, keepalive, after=None):
         """The receive hook of one SEND_ONLY operation: calls epx_ll_receive.
 
         The receive reads the tensors given to the send (combine's topk_idx, weights and
-        out), so the hook holds them until it has run: a caller's temporaries stay valid.
+        out) and writes the combine's result struct, so the hook holds them until it has
+        run: a caller's temporaries stay valid. `after` runs once the receive is done.
         """
         held = [keepalive]
 
         def hook():
-            check(_capi.api().epx_ll_receive(self.pointer, handle._value, stream),
-                  "ll_receive (%s)" % what)
+            status = _capi.api().epx_ll_receive(self.pointer, handle._value, stream)
+            if not errors.peer_lost(status):
+                check(status, "ll_receive (%s)" % what)
+            if after is not None:
+                after()
             held.clear()
+            if status != 0:  # a peer was lost; the outputs are written all the same
+                raise errors.peer_lost_error(status, "ll_receive (%s)" % what, None)
 
         return hook
 
@@ -173,8 +179,10 @@ class LowLatencyMixin:
         if stats_arg is not None:
             args.cumulative_local_expert_recv_stats = stats_arg.c_tensor()
         result = _capi.new(_capi.LLDispatchResult)
-        check(_capi.api().epx_ll_dispatch(self.pointer, ctypes.byref(args),
-                                          ctypes.byref(result), call.stream), "ll_dispatch")
+        status = _capi.api().epx_ll_dispatch(self.pointer, ctypes.byref(args),
+                                             ctypes.byref(result), call.stream)
+        if not errors.peer_lost(status):
+            check(status, "ll_dispatch")
 
         raw = x_arg.raw
         recv_x = self._view(result.recv_x, call, raw, False)
@@ -190,7 +198,10 @@ class LowLatencyMixin:
         event = self._end(call, async_finish, (x, topk_idx, recv_x, recv_scales, recv_count,
                                                cumulative_local_expert_recv_stats))
         recv_x_out = (recv_x, recv_scales) if use_fp8 else recv_x
-        return recv_x_out, recv_count, handle, event, hook
+        out = (recv_x_out, recv_count, handle, event, hook)
+        if status != 0:  # a peer was lost and masked; the step completed without it
+            raise errors.peer_lost_error(status, "ll_dispatch", out)
+        return out
 
     # ------------------------------------------------------------ combine
 
@@ -262,14 +273,22 @@ class LowLatencyMixin:
         args.out = out_arg.c_tensor()
         args.flags = _capi.LL_SEND_ONLY if return_recv_hook else 0
         result = _capi.new(_capi.LLCombineResult)
-        check(_capi.api().epx_ll_combine(self.pointer, ctypes.byref(args), ctypes.byref(result),
-                                         call.stream), "ll_combine")
+        status = _capi.api().epx_ll_combine(self.pointer, ctypes.byref(args),
+                                            ctypes.byref(result), call.stream)
+        if not errors.peer_lost(status):
+            check(status, "ll_combine")
         self.last_combine_masked_entries = int(result.num_masked_entries)
         out = fw.finish(out)
+        def received():
+            # The receive wrote the final masked count into `result` (include/epx.h).
+            self.last_combine_masked_entries = int(result.num_masked_entries)
+
         hook = (self._ll_hook(handle, call.stream, "combine",
-                              (x_arg, idx_arg, weights_arg, out_arg, out))
+                              (x_arg, idx_arg, weights_arg, out_arg, out, result), received)
                 if return_recv_hook else None)
         event = self._end(call, async_finish, (x, topk_idx, topk_weights, out))
+        if status != 0:  # a peer was lost and masked; the step completed without it
+            raise errors.peer_lost_error(status, "ll_combine", (out, event, hook))
         return out, event, hook
 
     # ------------------------------------------------------------ buffer state

@@ -340,6 +340,13 @@ def test_mask_rank(group, tensors1, ll_buffer):
     check_combined(tensors1, case, group.rank, combined, masked)
     assert_masked_count(group, buffer.last_combine_masked_entries,
                         case.combine(group.rank, masked)[1])
+    # Split: the count is final once the receive hook ran.
+    combined, _, hook = combine(buffer, tensors1, case, group.rank, y, handle,
+                                return_recv_hook=True)
+    hook()
+    check_combined(tensors1, case, group.rank, combined, masked)
+    assert_masked_count(group, buffer.last_combine_masked_entries,
+                        case.combine(group.rank, masked)[1])
     assert buffer.get_masked_ranks() == [victim]  # no wait gave up on another rank
 
 

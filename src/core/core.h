@@ -131,6 +131,15 @@ epx_status_t epx__params_load(void);
 /* Values in force (epx__params_load must have succeeded; else the defaults). */
 int64_t epx__param_int(epx_param_id_t id);
 const char *epx__param_string(epx_param_id_t id);
+/*
+ * The variable's value in the environment now, checked like the cached one, bypassing
+ * the cache: for the launcher's variables, which a program may set with setenv after
+ * its first epx call. *is_set = 0 (and the default) when unset or empty. INT tunables
+ * fill *int_value, STRING ones `text` (may be NULL for INT). EPX_ERR_INVALID_ARG naming
+ * the variable for a bad value.
+ */
+epx_status_t epx__param_read_now(epx_param_id_t id, int *is_set, int64_t *int_value, char *text,
+                                 size_t text_size);
 /* Print the table (name, type, default, value in force, doc) for `epx params`. */
 void epx__params_print(FILE *out);
 /* Tests only: forget the loaded values so the next load reads the environment again. */

@@ -363,6 +363,43 @@ const char *epx__param_string(epx_param_id_t id)
                                                  : epx__param_defs[id].string_default;
 }
 
+epx_status_t epx__param_read_now(epx_param_id_t id, int *is_set, int64_t *int_value, char *text,
+                                 size_t text_size)
+{
+    if ((int)id < 0 || id >= EPX_PARAM_COUNT_)
+        return EPX_ERROR(EPX_ERR_INTERNAL, "params: no tunable %d", (int)id);
+    const epx__param_def_t *def = &epx__param_defs[id];
+    if (int_value != NULL)
+        *int_value = def->int_default;
+    if (text != NULL && text_size > 0)
+        snprintf(text, text_size, "%s", def->type == EPX__PARAM_STRING ? def->string_default : "");
+    /* getenv here, like the cache's reader: this file is where the environment is read. */
+    const char *env = getenv(def->name);
+    *is_set = env != NULL && env[0] != '\0';
+    if (!*is_set)
+        return EPX_SUCCESS;
+    char value[EPX__PARAM_TEXT_BYTES];
+    if (strlen(env) >= sizeof(value))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name,
+                         sizeof(value) - 1);
+    snprintf(value, sizeof(value), "%s", env);
+    if (epx__param_is_word_valued(id))
+        epx__lower_case(value);
+    char why[EPX__PARAM_MESSAGE_BYTES];
+    int64_t parsed = def->int_default;
+    if (epx__param_check(id, value, &parsed, why, sizeof(why)) != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s", why);
+    if (int_value != NULL)
+        *int_value = parsed;
+    if (text != NULL && text_size > 0) {
+        if (strlen(value) >= text_size)
+            return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s is longer than %zu characters", def->name,
+                             text_size - 1);
+        snprintf(text, text_size, "%s", value);
+    }
+    return EPX_SUCCESS;
+}
+
 /* At most this many characters of a value in the table, so one long id keeps it legible. */
 #define EPX__PARAM_PRINT_VALUE_WIDTH 40
 

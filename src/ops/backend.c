@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "core/objects.h"
 #include "ops/backend.h"
 
 const epx__backend_ops_t *epx__backend_find(epx_backend_t backend)
@@ -44,6 +45,7 @@ struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
     if (handle == NULL)
         return NULL;
     handle->buffer = buffer;
+    handle->buffer_serial = buffer->serial;
     handle->world_size = world;
     handle->rank = buffer->group->rank;
     handle->num_local_experts = buffer->num_local_experts;
@@ -58,8 +60,9 @@ struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
     handle->recv_src_token = calloc(recv, sizeof(int32_t));
     handle->num_recv_per_expert = calloc((size_t)buffer->num_local_experts, sizeof(int32_t));
     if (handle->send_row == NULL || handle->rank_counts == NULL || handle->recv_src_rank == NULL ||
-        handle->recv_src_token == NULL || handle->num_recv_per_expert == NULL) {
-        epx__handle_free(handle);
+        handle->recv_src_token == NULL || handle->num_recv_per_expert == NULL ||
+        epx__object_add(EPX__OBJECT_HANDLE, handle) != EPX_SUCCESS) {
+        epx__handle_release(handle);
         return NULL;
     }
     return handle;
@@ -69,6 +72,12 @@ void epx__handle_free(struct epx_handle *handle)
 {
     if (handle == NULL)
         return;
+    epx__object_remove(EPX__OBJECT_HANDLE, handle);
+    epx__handle_release(handle);
+}
+
+void epx__handle_release(struct epx_handle *handle)
+{
     if (handle->backend_free != NULL)
         handle->backend_free(handle);
     free(handle->send_row);
@@ -77,7 +86,8 @@ void epx__handle_free(struct epx_handle *handle)
     free(handle->recv_src_token);
     free(handle->num_recv_per_expert);
     free(handle->rank_prefix);
-    free(handle);
+    /* The shell waits in the registry's quarantine, so its address is not reused soon. */
+    epx__object_retire(handle);
 }
 
 /* ---------------------------------------------------------------- low-latency views */

@@ -41,6 +41,9 @@ typedef struct {
     epx__ll_slot_state_t state;
     uint64_t generation; /* dispatches made into this slot (handles carry it) */
     int64_t num_tokens;  /* the dispatch's input tokens (combine checks its shapes) */
+    /* A combine sent with EPX_LL_SEND_ONLY: the caller's result, which the receive
+     * completes with the masked count (NULL when none was given). */
+    epx_ll_combine_result_t *combine_result;
 } epx__ll_slot_t;
 
 typedef struct {
@@ -51,6 +54,12 @@ typedef struct {
 
 struct epx_buffer {
     epx_group_t group;
+    /* Unique in the process (never reused, unlike the address): handles carry it, so a
+     * handle of a destroyed buffer is refused by a new buffer made at the same address. */
+    uint64_t serial;
+    /* A normal-mode call was refused for its form (src/epx.c): the peers may have failed
+     * it, so epx_buffer_destroy skips its vote as they do. */
+    int refused;
     epx_buffer_config_t config; /* num_sms resolved, never 0 */
     int num_local_experts;      /* num_experts / world_size */
     const epx__backend_ops_t *ops;
@@ -71,6 +80,7 @@ struct epx_buffer {
  */
 struct epx_handle {
     epx_buffer_t buffer;    /* handles only work with the buffer that made them */
+    uint64_t buffer_serial; /* that buffer's serial */
     int world_size;
     int rank;
     int num_local_experts;
@@ -127,6 +137,13 @@ struct epx__backend_ops {
      * waits end with EPX_ERR_REMOTE naming this rank instead of a timeout).
      */
     void (*abort)(epx_buffer_t buffer, epx_status_t status, const char *message);
+    /*
+     * Optional. This rank refused a normal-mode call for the form of its arguments,
+     * before taking any part in it, and stays usable: make the peers' waits in that call
+     * end with EPX_ERR_REMOTE (but not those of peers that refused it too). NULL: the
+     * entry point treats the error like any other failure (abort and poison).
+     */
+    void (*refuse)(epx_buffer_t buffer, const char *message);
     epx_status_t (*layout)(epx_buffer_t buffer, const epx_layout_args_t *args, void *stream);
     epx_status_t (*dispatch)(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                              epx_dispatch_result_t *result, void *stream);
@@ -200,10 +217,15 @@ const epx__backend_ops_t *epx__backend_find(epx_backend_t backend);
 /* Record the first asynchronous failure of a buffer (thread-safe; later ones ignored). */
 void epx__buffer_set_async_error(epx_buffer_t buffer, epx_status_t status, const char *message);
 
-/* Allocate a handle with its arrays sized (contents zeroed); NULL on out of memory. */
+/*
+ * Allocate a handle with its arrays sized (contents zeroed) and list it as live
+ * (src/core/objects.h); NULL on out of memory. epx__handle_free takes it off the list
+ * and releases it; epx__handle_release frees one already taken off.
+ */
 struct epx_handle *epx__handle_alloc(epx_buffer_t buffer, int64_t num_tokens,
                                      int64_t num_recv_tokens);
 void epx__handle_free(struct epx_handle *handle);
+void epx__handle_release(struct epx_handle *handle);
 
 /*
  * A low-latency dispatch's result views, laid out alike by every backend (M * R rows per

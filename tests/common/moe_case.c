@@ -189,6 +189,9 @@ static void make_routing_row(const moe_case_t *c, int rank, int64_t token, int64
             idx[chosen++] = expert;
     }
 
+    if (c->routing == MOE_ROUTING_REPEAT && k >= 2)
+        idx[k - 1] = idx[0];
+
     for (int j = 0; j < k; j++) {
         uint64_t drop = random_word(c->seed, (uint64_t)rank, STREAM_DROP, (uint64_t)token,
                                     (uint64_t)j);
@@ -297,8 +300,9 @@ static void fill_layout(const moe_case_t *c, int rank, moe_expected_t *e, int64_
             e->is_token_in_rank[t * world + d] = (uint8_t)in_rank;
             e->num_tokens_per_rank[d] += in_rank;
         }
+        /* An expert named twice in a row counts once. */
         for (int j = 0; j < c->num_topk; j++)
-            if (idx[j] >= 0)
+            if (idx[j] >= 0 && !already_chosen(idx, j, idx[j]))
                 e->num_tokens_per_expert[idx[j]]++;
     }
 }
@@ -329,7 +333,7 @@ static void fill_received_row(const moe_case_t *c, int rank, int s, int64_t t, i
         int here = idx[j] >= 0 && home_rank_of_expert(c, idx[j]) == rank;
         e->recv_topk_idx[row * k + j] = here ? idx[j] - first_local : -1;
         e->recv_topk_weights[row * k + j] = here ? weights[j] : 0.0f;
-        if (here)
+        if (here && !already_chosen(idx, j, idx[j])) /* twice in a row counts once */
             e->num_recv_per_expert[idx[j] - first_local]++;
     }
     e->recv_src_rank[row] = s;

@@ -15,6 +15,8 @@ typedef enum {
     MOE_ROUTING_RANDOM = 0,        /* k distinct random experts per token */
     MOE_ROUTING_ONE_EXPERT = 1,    /* every token to expert 0 only (rest -1) */
     MOE_ROUTING_LOCAL_FIRST = 2,   /* random, but the first choice on the home rank */
+    MOE_ROUTING_REPEAT = 3,        /* random, but the last entry repeats the first (k >= 2):
+                                    * an expert named twice counts once (include/epx.h) */
 } moe_routing_t;
 
 typedef struct {

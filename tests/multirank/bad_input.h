@@ -45,6 +45,8 @@ void bi_run_combine_cases(void);
 void bi_run_layout_cases(void);
 void bi_run_remote_cases(void);
 void bi_run_abort_cases(void); /* bad_input_remote.c */
+/* Mistakes in a call's form: no effect where made; cached mode ignores routing. */
+void bi_run_form_cases(void); /* bad_input_form.c */
 void bi_run_ll_cases(void); /* bad_input_ll.c */
 /* Rows not on the backend's boundary (16 bytes on the GPU), refused before anything is
  * sent; then a valid step on the same buffer, in device memory (every rank calls it). */

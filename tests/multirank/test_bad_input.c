@@ -127,10 +127,12 @@ int main(int argc, char **argv)
         bi_run_layout_cases();
         bi_run_ll_cases();
         bi_run_abort_cases();
+        bi_run_form_cases();
     } else if (strcmp(mode, "remote") == 0) {
         if (bi_info.world_size < 2)
             TEST_FAIL("--mode remote needs at least 2 ranks");
         bi_run_remote_cases();
+        bi_run_form_cases();
     } else {
         TEST_FAIL("--mode %s: expected local or remote", mode);
     }

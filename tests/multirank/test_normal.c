@@ -52,6 +52,8 @@ static const normal_case_t cases[] = {
     {"top1", 150, 150, 256, 16, 0, 1, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
     {"topk_all", 40, 40, 128, 0, 2, 0, EPX_DTYPE_BF16, 1, MOE_ROUTING_RANDOM, 0, 0},
     {"local_first", 120, 120, 256, 16, 0, 4, EPX_DTYPE_BF16, 8, MOE_ROUTING_LOCAL_FIRST, 0, 0},
+    /* An expert named twice in a token's row counts once (include/epx.h). */
+    {"repeat_expert", 96, 96, 256, 16, 0, 4, EPX_DTYPE_BF16, 4, MOE_ROUTING_REPEAT, 0.1, 0},
 };
 
 #define NUM_CASES ((int)(sizeof cases / sizeof cases[0]))

@@ -11,7 +11,7 @@ add_executable(test_normal ${EPX_MULTIRANK_DIR}/test_normal.c ${EPX_MULTIRANK_DI
 add_executable(test_bad_input
                ${EPX_MULTIRANK_DIR}/test_bad_input.c ${EPX_MULTIRANK_DIR}/bad_input_dispatch.c
                ${EPX_MULTIRANK_DIR}/bad_input_combine.c ${EPX_MULTIRANK_DIR}/bad_input_remote.c
-               ${EPX_MULTIRANK_DIR}/bad_input_ll.c)
+               ${EPX_MULTIRANK_DIR}/bad_input_ll.c ${EPX_MULTIRANK_DIR}/bad_input_form.c)
 add_executable(test_killed_rank ${EPX_MULTIRANK_DIR}/test_killed_rank.c)
 foreach(program test_normal test_bad_input test_killed_rank)
   target_link_libraries(${program} PRIVATE epx_multirank_common)
@@ -45,6 +45,18 @@ foreach(ranks 1 2)
                    --backend ${EPX_TEST_BACKEND})
   set_tests_properties(multirank.bad_input.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
 endforeach()
+
+# A rank killed inside epx_buffer_create: nothing left in /dev/shm (CPU backend).
+add_executable(test_create_killed ${EPX_MULTIRANK_DIR}/test_create_killed.c)
+target_link_libraries(test_create_killed PRIVATE epx_multirank_common)
+add_test(NAME multirank.create_killed COMMAND test_create_killed --backend host)
+set_tests_properties(multirank.create_killed PROPERTIES TIMEOUT 300 LABELS multirank)
+
+# A rank lost in low-latency serving: the step completes without it (CPU backend).
+add_executable(test_ll_fault ${EPX_MULTIRANK_DIR}/test_ll_fault.c)
+target_link_libraries(test_ll_fault PRIVATE epx_multirank_common)
+add_test(NAME multirank.ll_fault COMMAND test_ll_fault)
+set_tests_properties(multirank.ll_fault PROPERTIES TIMEOUT 120 LABELS multirank)
 
 add_test(NAME multirank.killed_rank
          COMMAND test_killed_rank --backend ${EPX_TEST_BACKEND})

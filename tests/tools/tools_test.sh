@@ -460,6 +460,62 @@ for op in ("step_loop", "step_split_loop"):
 PY
     fi
     ;;
+soak)
+    # The stability check in short: 4 ranks on the CPU backend, both modes, 20 s.
+    run "$EPX" bench -n 4 --backend host --soak 20s --window 5s --check-every 2 --tokens 48 \
+        --hidden 512 --experts 16 --topk 4 --ll-tokens 12 --json
+    expect_rc 0
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "the soak's JSON lines do not hold what they should"
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1])]
+windows = [l for l in lines if "soak_window" in l]
+summary = lines[-1]
+assert summary.get("soak_summary") is True, summary
+assert len(windows) >= 3 and summary["windows"] == len(windows), summary
+assert summary["mismatches"] == 0 and summary["failed"] == 0, summary
+assert summary["checked"] > 0 and summary["rounds"] > 0, summary
+assert summary["peer_losses"] == 0, summary
+for w in windows:
+    assert w["ranks"] == 4 and w["rounds"] > 0 and w["host_rss_mb"] > 0, w
+    assert w["end_s"] >= w["start_s"], w
+    for op in ("dispatch", "combine", "ll_dispatch", "ll_combine"):
+        s = w["ops"][op]
+        assert s["count"] > 0 and 0 < s["p50_us"] <= s["p99_us"] <= s["p999_us"] <= s["max_us"], w
+assert set(summary["p99_drift"]) >= {"dispatch", "combine", "ll_dispatch", "ll_combine"}
+PY
+    fi
+    ;;
+soak_inject)
+    # Rank 2 is killed 4 s into a low-latency soak: the others mask it and keep serving.
+    run env EPX_TIMEOUT_MS=3000 "$EPX" bench -n 4 --backend host --soak 10s --window 3s \
+        --tokens 32 --hidden 512 --experts 16 --topk 4 --ll-tokens 8 --soak-modes ll \
+        --inject kill 2@4 --json
+    expect_rc 0
+    expect_err 'rank 2: killing myself'
+    expect_err 'lost a peer after .*rank 2'
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "the soak's summary does not show the loss"
+import json, sys
+summary = [json.loads(line) for line in open(sys.argv[1])][-1]
+assert summary["soak_summary"] and summary["failed"] == 0 and summary["mismatches"] == 0, summary
+assert summary["peer_losses"] >= 1 and 0 < summary["detect_ms"] < 3000, summary
+assert summary["checked"] > 0, summary
+PY
+    fi
+    ;;
+soak_bad_flag)
+    run "$EPX" bench --soak 10x
+    expect_rc 2
+    expect_err "bad value for --soak: '10x'"
+    run "$EPX" bench --soak 5s --inject kill 1
+    expect_rc 2
+    expect_err "bad value for --inject"
+    run "$EPX" bench -n 2 --backend host --soak 5s --inject kill 1@2 --tokens 8 --hidden 128 \
+        --experts 4 --topk 2
+    expect_rc 2
+    expect_err "inject needs --soak-modes ll"
+    ;;
 *)
     fail "unknown case"
     ;;

@@ -60,12 +60,20 @@ static const char bench_usage[] =
     "  --json            one JSON object per line instead of the table\n"
     "  --floor-bw GBPS   copy bandwidth for the floor (cuda: 4250 assumed; host: measured)\n"
     "  -n N              launch N ranks (when not already inside epx launch)\n"
-    "  --timeout S       limit for the launch that -n starts (600 s; 0 = none)\n"
-    "\n"
-    "The table's floor is the least time the op can take, all ranks at once, moving the\n"
-    "bytes it must read and write through memory at the copy bandwidth; floor/time is\n"
-    "that floor over the slowest rank's median time (1.00 = at the floor). The header\n"
-    "says what each op's floor counts.\n"
+    "  --timeout S       limit for the launch that -n starts (600 s, at least the soak's
+"
+    "                    duration + 600 s; 0 = none)
+"
+    "
+"
+    "The table's floor is the least time the op can take, all ranks at once, moving the
+"
+    "bytes it must read and write through memory at the copy bandwidth; floor/time is
+"
+    "that floor over the slowest rank's median time (1.00 = at the floor). The header
+"
+    "says what each op's floor counts.
+"
     "  --mps             with -n: run the ranks under a CUDA MPS daemon (epx launch --mps)\n"
     "  --ranks-per-node K  normal mode: virtual nodes of K ranks (with -n: the launch's\n"
     "                    --ranks-per-node; in a launch, EPX_RANKS_PER_NODE must say K);\n"
@@ -157,7 +165,14 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         int first = i;
         if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0) {
             fputs(bench_usage, stdout);
+            fputs(epx__soak_usage, stdout);
             return 0;
+        }
+        int soak_flag = epx__soak_match(argc, argv, &i, &o->soak);
+        if (soak_flag != 0) {
+            if (soak_flag < 0)
+                return 2;
+            continue;
         }
         if (strcmp(arg, "--check") == 0) {
             o->check = 1;
@@ -337,6 +352,9 @@ static int relaunch(int argc, char **argv, const epx__bench_options_t *o, const 
     epx__launch_options_t launch = EPX__LAUNCH_OPTIONS_INIT;
     launch.num_ranks = o->num_ranks;
     launch.timeout_s = o->timeout_s;
+    /* A soak runs for its duration: the launch limit stretches to cover it. */
+    if (launch.timeout_s > 0 && o->soak.duration_s + 600 > launch.timeout_s)
+        launch.timeout_s = o->soak.duration_s + 600;
     launch.use_mps = o->use_mps;
     launch.ranks_per_node = o->ranks_per_node;
     /* Only rank 0 writes to stdout; unprefixed, the table and JSON lines stay as they
@@ -445,13 +463,14 @@ static int run(const epx__bench_options_t *o)
     context.iters = iters;
     choose_floor(o, &info, &context);
 
-    int failed = ll ? epx__bench_ll_run(group, o, &device, &context)
-                    : run_normal(group, o, &device, &context, info.rank, nodes);
+    int failed = o->soak.duration_s > 0 ? epx__bench_soak_run(group, o, &device)
+                 : ll ? epx__bench_ll_run(group, o, &device, &context)
+                      : run_normal(group, o, &device, &context, info.rank, nodes);
     epx__bench_device_fini(&device);
     epx__bench_must(info.rank, epx_group_destroy(group), "epx_group_destroy");
-    if (failed && info.rank == 0)
+    if (failed == 1 && info.rank == 0)
         fprintf(stderr, "epx bench: check FAILED (see the differences above)\n");
-    return failed ? 1 : 0;
+    return failed == 2 ? 2 : failed ? 1 : 0; /* 2: options the run cannot honour */
 }
 
 int epx__command_bench(int argc, char **argv)
@@ -463,6 +482,7 @@ int epx__command_bench(int argc, char **argv)
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
         .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID, .ranks_per_node = 0,
+        .soak = EPX__SOAK_OPTIONS_INIT,
     };
     char *launch_only = calloc((size_t)argc + 1, 1);
     if (launch_only == NULL) {

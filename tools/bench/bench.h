@@ -11,6 +11,7 @@
 
 #include "bench_memory.h"
 #include "bench_report.h"
+#include "bench_soak.h"
 #include "epx.h"
 
 typedef enum {
@@ -47,6 +48,7 @@ typedef struct {
      * given. Given, or when the group spans nodes, the expected traffic across nodes is
      * printed too (bench_nodes.h). */
     int ranks_per_node;
+    epx__soak_options_t soak; /* --soak DURATION and its flags (bench_soak.h) */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */
@@ -70,6 +72,14 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
  */
 int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
                       epx__bench_device_t *device, const epx__bench_context_t *context);
+
+/*
+ * `epx bench --soak` (bench_soak.c): rounds of fresh random shapes until the duration is
+ * over, windows of percentiles, memory and failures, a summary. Returns 1 when a check
+ * failed or an operation failed unexpectedly, 2 for options it cannot run, else 0.
+ */
+int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
+                        epx__bench_device_t *device);
 
 /* Every rank's `bytes` at `mine` into `all` (rank order) through the group's rendezvous
  * channel: small, off the timed path. Ends the process on failure. */

@@ -25,7 +25,12 @@ __device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
             *bad = 1;
             continue;
         }
-        atomicAdd(&expert_counts[e], 1);
+        /* An expert named twice in a token's row counts once (include/epx.h). */
+        bool repeated = false;
+        for (int earlier = 0; earlier < k; earlier++)
+            repeated = repeated || row[earlier] == e;
+        if (!repeated)
+            atomicAdd(&expert_counts[e], 1);
         mask |= 1ull << (e / s.num_local_experts);
     }
     return mask;

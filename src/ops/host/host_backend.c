@@ -154,6 +154,13 @@ static void epx__host_abort(epx_buffer_t buffer, epx_status_t status, const char
         epx__shm_abort(host->ll->shm, status, message);
 }
 
+static void epx__host_refuse(epx_buffer_t buffer, const char *message)
+{
+    epx__host_buffer_t *host = buffer->impl;
+    if (host != NULL)
+        epx__shm_refuse(host->shm, message);
+}
+
 static const char *epx__host_op_name(int32_t op)
 {
     return op == EPX__HOST_OP_DISPATCH ? "dispatch" : op == EPX__HOST_OP_COMBINE ? "combine" : "?";
@@ -209,6 +216,7 @@ const epx__backend_ops_t epx__host_backend = {
     .buffer_create = epx__host_buffer_create,
     .buffer_destroy = epx__host_buffer_destroy,
     .abort = epx__host_abort,
+    .refuse = epx__host_refuse,
     .layout = epx__host_layout_op,
     .dispatch = epx__host_dispatch,
     .combine = epx__host_combine,

@@ -1,11 +1,13 @@
 /*
- * Shared-memory segments of a group: create, exchange names, map, unlink.
+ * Shared-memory segments of a group: create, hand over, map.
  *
- * Setup is two allgathers over the bootstrap. The first carries each rank's segment
- * name (or the reason it could not make one); the second carries whether each rank
- * mapped every peer, and doubles as the barrier after which every rank unlinks its own
- * name. Because every rank learns every other rank's outcome, all of them fail or
- * succeed together and no rank is left waiting for one that gave up.
+ * A segment never has a name (shm_fd.c says why and how descriptors travel), so a rank
+ * killed at any moment leaves nothing behind: the kernel frees a segment with its last
+ * descriptor or mapping. Setup is two allgathers over the bootstrap around the
+ * descriptor exchange. The first carries each rank's socket name and pid (or the
+ * reason it could not make its segment); the second carries whether each rank mapped
+ * every peer. Because every rank learns every other rank's outcome, all of them fail
+ * or succeed together and no rank is left waiting for one that gave up.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -21,7 +23,7 @@
 
 /* What each rank tells the others in the setup allgathers. */
 typedef struct {
-    char name[EPX__SHM_NAME_BYTES];
+    char name[EPX__SHM_NAME_BYTES]; /* the abstract socket that hands out the segment */
     uint64_t data_bytes;
     int64_t pid;
     int32_t status; /* epx_status_t of this rank's step */
@@ -34,11 +36,12 @@ static size_t epx__round_up(size_t value, size_t to)
     return (value + to - 1) / to * to;
 }
 
-static uint64_t epx__shm_random(void)
+uint64_t epx__shm_random(void)
 {
     uint64_t value = 0;
     if (getrandom(&value, sizeof(value), GRND_NONBLOCK) != (ssize_t)sizeof(value)) {
-        /* No entropy yet (early boot): the clock and pid are unique enough with O_EXCL. */
+        /* No entropy yet (early boot): the clock and pid are unique enough (a clash of
+         * socket names fails the bind, and the name is drawn again). */
         value = (uint64_t)epx__now_ns() * 0x9e3779b97f4a7c15ull ^ (uint64_t)getpid();
     }
     return value;
@@ -55,22 +58,14 @@ static void epx__shm_record_fail(epx__shm_record_t *record, epx_status_t status,
 }
 
 /*
- * Make, size and map this rank's segment. On failure nothing is left: the name is
- * unlinked and the mapping removed.
+ * Make, size and map this rank's segment; its descriptor stays open in *fd_out for the
+ * exchange. On failure nothing is left.
  */
-static epx_status_t epx__shm_create_own(struct epx__shm *shm, epx__shm_record_t *record)
+static epx_status_t epx__shm_create_own(struct epx__shm *shm, int *fd_out)
 {
-    int fd = -1;
-    for (int attempt = 0; attempt < 16 && fd < 0; attempt++) {
-        snprintf(record->name, sizeof(record->name), "/epx-%ld-%016" PRIx64 "-%d", (long)getpid(),
-                 epx__shm_random(), shm->rank);
-        fd = shm_open(record->name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd < 0 && errno != EEXIST)
-            break;
-    }
+    int fd = epx__shm_anonymous_file();
     if (fd < 0) {
         int err = errno;
-        record->name[0] = '\0';
         return EPX_ERROR(err == ENOSPC || err == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
                          "shm: rank %d could not create a segment in /dev/shm: %s", shm->rank,
                          strerror(err));
@@ -89,10 +84,8 @@ static epx_status_t epx__shm_create_own(struct epx__shm *shm, epx__shm_record_t 
         if (base == MAP_FAILED)
             err = errno;
     }
-    close(fd);
     if (err != 0) {
-        shm_unlink(record->name);
-        record->name[0] = '\0';
+        close(fd);
         if (err == ENOSPC || err == ENOMEM || err == EFBIG)
             return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY,
                              "shm: rank %d could not reserve %zu bytes of shared memory in "
@@ -111,44 +104,34 @@ static epx_status_t epx__shm_create_own(struct epx__shm *shm, epx__shm_record_t 
     atomic_store_explicit(&header->arrivals, 0, memory_order_relaxed);
     atomic_store_explicit(&header->abort_state, EPX__ABORT_NONE, memory_order_release);
     shm->headers[shm->rank] = header;
+    *fd_out = fd;
     return EPX_SUCCESS;
 }
 
-static epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, const char *name)
+/* Map the segment `fd` that rank `peer` sent, after checking it is the one announced. */
+static epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, int fd)
 {
-    int fd = shm_open(name, O_RDWR, 0);
-    if (fd < 0)
-        return EPX_ERROR(EPX_ERR_SYSTEM, "shm: rank %d could not open rank %d's segment %s: %s",
-                         shm->rank, peer, name, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size != shm->segment_bytes) {
-        close(fd);
-        return EPX_ERROR(EPX_ERR_SYSTEM,
-                         "shm: rank %d's segment %s is not %zu bytes as announced (another "
-                         "process using the same name?)",
-                         peer, name, shm->segment_bytes);
-    }
+    if (fstat(fd, &st) != 0 || (size_t)st.st_size != shm->segment_bytes)
+        return EPX_ERROR(EPX_ERR_SYSTEM, "shm: rank %d's segment is not %zu bytes as announced",
+                         peer, shm->segment_bytes);
     void *base = mmap(NULL, shm->segment_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int err = errno;
-    close(fd);
     if (base == MAP_FAILED)
         return EPX_ERROR(err == ENOMEM ? EPX_ERR_OUT_OF_MEMORY : EPX_ERR_SYSTEM,
                          "shm: rank %d could not map rank %d's segment (%zu bytes): %s", shm->rank,
                          peer, shm->segment_bytes, strerror(err));
-    epx__shm_header_t *header = base;
-    if (header->magic != EPX__SHM_MAGIC || header->rank != peer) {
-        munmap(base, shm->segment_bytes);
-        return EPX_ERROR(EPX_ERR_INTERNAL, "shm: rank %d's segment %s has a bad header", peer,
-                         name);
-    }
-    shm->headers[peer] = header;
-    if (header->pid != shm->pids[peer]) {
+    const epx__shm_header_t *header = base;
+    if (header->magic != EPX__SHM_MAGIC || header->rank != peer ||
+        header->pid != shm->pids[peer]) {
+        int64_t pid = header->pid;
         munmap(base, shm->segment_bytes);
         return EPX_ERROR(EPX_ERR_INTERNAL,
-                         "shm: rank %d's segment %s names pid %" PRId64
-                         ", rank %d announced pid %" PRId64,
-                         peer, name, header->pid, peer, shm->pids[peer]);
+                         "shm: the segment rank %d sent has a bad header (pid %" PRId64
+                         ", announced %" PRId64 ")",
+                         peer, pid, shm->pids[peer]);
     }
+    shm->headers[peer] = base;
     return EPX_SUCCESS;
 }
 
@@ -211,15 +194,19 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
 {
     int world = group->world_size;
     epx__shm_record_t *records = calloc((size_t)world, sizeof(*records));
+    const char **names = calloc((size_t)world, sizeof(*names));
+    int *fds = calloc((size_t)world, sizeof(*fds));
     struct epx__shm *shm = calloc(1, sizeof(*shm));
     if (shm != NULL) {
         shm->headers = calloc((size_t)world, sizeof(*shm->headers));
         shm->pids = calloc((size_t)world, sizeof(*shm->pids));
         shm->pid_visible = calloc((size_t)world, 1);
     }
-    if (records == NULL || shm == NULL || shm->headers == NULL || shm->pids == NULL ||
-        shm->pid_visible == NULL) {
+    if (records == NULL || names == NULL || fds == NULL || shm == NULL || shm->headers == NULL ||
+        shm->pids == NULL || shm->pid_visible == NULL) {
         free(records);
+        free(names);
+        free(fds);
         epx__shm_destroy(shm);
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "shm: no host memory for %d ranks' bookkeeping",
                          world);
@@ -230,17 +217,22 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
     shm->data_bytes = bytes_per_rank;
     shm->segment_bytes = epx__shm_segment_bytes(bytes_per_rank);
     shm->learned_rank = -1;
+    for (int r = 0; r < world; r++)
+        fds[r] = -1;
 
     epx__shm_record_t mine;
     memset(&mine, 0, sizeof(mine));
     mine.data_bytes = bytes_per_rank;
     mine.pid = (int64_t)getpid();
-    epx_status_t status = epx__shm_create_own(shm, &mine);
+    int own_fd = -1, listen_fd = -1;
+    epx_status_t status = epx__shm_create_own(shm, &own_fd);
+    if (status == EPX_SUCCESS)
+        status = epx__shm_listen(shm, mine.name, sizeof(mine.name), &listen_fd);
     if (status != EPX_SUCCESS)
         epx__shm_record_fail(&mine, status, epx_last_error());
 
-    /* Round 1: names. Every rank takes part even after a local failure, so that the
-     * others learn about it instead of waiting. */
+    /* Round 1: socket names. Every rank takes part even after a local failure, so that
+     * the others learn about it instead of waiting. */
     EPX_CHECK_GOTO(epx__bootstrap_allgather(group->bootstrap, &mine, records, sizeof(mine)), status,
                    fail);
     int failed = epx__shm_first_failure(records, world, shm->rank);
@@ -256,25 +248,32 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
                                r, records[r].data_bytes, shm->rank, bytes_per_rank);
             goto fail;
         }
+        records[r].name[sizeof(records[r].name) - 1] = '\0';
+        names[r] = records[r].name;
     }
 
     epx__shm_probe_pids(shm, records);
 
-    /* Round 2: every rank maps every peer; the allgather is also the barrier after which
-     * no rank opens a name any more, so each can unlink its own. */
+    /* The descriptors, then every rank maps every peer. */
     epx__shm_record_t mapped;
     memset(&mapped, 0, sizeof(mapped));
+    status = epx__shm_exchange_fds(shm, listen_fd, own_fd, names, fds);
+    if (status != EPX_SUCCESS)
+        epx__shm_record_fail(&mapped, status, epx_last_error());
+    close(listen_fd);
+    listen_fd = -1;
     for (int r = 0; r < world && mapped.status == EPX_SUCCESS; r++) {
         if (r == shm->rank)
             continue;
-        records[r].name[sizeof(records[r].name) - 1] = '\0';
-        status = epx__shm_map_peer(shm, r, records[r].name);
+        status = epx__shm_map_peer(shm, r, fds[r]);
         if (status != EPX_SUCCESS)
             epx__shm_record_fail(&mapped, status, epx_last_error());
     }
+    for (int r = 0; r < world; r++)
+        if (r != shm->rank && fds[r] >= 0)
+            close(fds[r]);
+    /* Round 2: whether everyone mapped everyone; all succeed or fail together. */
     status = epx__bootstrap_allgather(group->bootstrap, &mapped, records, sizeof(mapped));
-    shm_unlink(mine.name);
-    mine.name[0] = '\0';
     if (status != EPX_SUCCESS)
         goto fail;
     failed = epx__shm_first_failure(records, world, shm->rank);
@@ -285,14 +284,21 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
 
     EPX_DEBUG(EPX_SUBSYS_TRANSPORT, "shm: rank %d mapped %d segments of %zu bytes", shm->rank,
               world, shm->segment_bytes);
+    close(own_fd);
     free(records);
+    free(names);
+    free(fds);
     *out = shm;
     return EPX_SUCCESS;
 
 fail:
-    if (mine.name[0] != '\0')
-        shm_unlink(mine.name);
+    if (listen_fd >= 0)
+        close(listen_fd);
+    if (own_fd >= 0)
+        close(own_fd);
     free(records);
+    free(names);
+    free(fds);
     epx__shm_destroy(shm);
     return status;
 }

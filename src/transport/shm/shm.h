@@ -1,11 +1,12 @@
 /*
  * Host shared memory among the ranks of a group (the CPU backend's transport).
  *
- * Every rank owns one POSIX shared-memory segment and maps every peer's, so a rank can
- * write straight into a peer's memory. Each segment starts with a control header (the
- * owner's pid, an abort word, an arrival counter) followed by a 4 KiB aligned data
- * area. The segments are unlinked as soon as every rank has mapped them, so nothing
- * is left in /dev/shm even if a rank is killed later.
+ * Every rank owns one shared-memory segment and maps every peer's, so a rank can write
+ * straight into a peer's memory. Each segment starts with a control header (the owner's
+ * pid, an abort word, an arrival counter) followed by a 4 KiB aligned data area. A
+ * segment never has a name: it is an unnamed file in /dev/shm (O_TMPFILE; memfd where
+ * that is refused) whose descriptor travels to the peers over a Unix socket, so nothing
+ * is ever left in /dev/shm, whenever a rank is killed.
  *
  * Synchronisation is a counting barrier on the headers. Waits never hang: they end
  * with EPX_ERR_REMOTE when a peer published a failure or exited, and with
@@ -45,6 +46,16 @@ epx_status_t epx__shm_barrier(epx__shm_t *shm, const char *stage);
  */
 void epx__shm_abort(epx__shm_t *shm, epx_status_t status, const char *message);
 
+/*
+ * This rank refuses the collective call it is in, before its first barrier (an argument
+ * error found locally, which leaves the buffer usable). A peer waiting for this rank in
+ * that barrier stops with EPX_ERR_REMOTE and `message`, unless the peer refused the same
+ * call itself: ranks that all refused a call wait for nobody and stay in step (every
+ * rank counts its refusals at each barrier, and a peer's refusal counts only if it
+ * refused more calls there than this rank did).
+ */
+void epx__shm_refuse(epx__shm_t *shm, const char *message);
+
 /* Base of the data area of `rank`'s segment (4 KiB aligned), or NULL if out of range. */
 void *epx__shm_peer(epx__shm_t *shm, int rank);
 
@@ -71,7 +82,7 @@ void epx__shm_flag_store(uint64_t *flag, uint64_t value);
 epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
                                  uint64_t target, uint8_t *failed);
 
-/* Unmap everything (segments were already unlinked by create). NULL is a no-op. */
+/* Unmap everything (the memory goes with the last mapping). NULL is a no-op. */
 void epx__shm_destroy(epx__shm_t *shm);
 
 #endif /* EPX_TRANSPORT_SHM_H */

@@ -36,7 +36,17 @@ typedef struct {
     int32_t abort_rank;       /* the rank that failed first (may be a peer of the owner) */
     int64_t abort_exited_pid; /* nonzero: abort_rank did not fail, its process exited */
     char abort_message[EPX__SHM_MESSAGE_BYTES];
+
+    /* The owner refused a call before its first barrier (epx__shm_refuse): the barrier
+     * target it did not reach in the high 48 bits, how many calls it refused in a row at
+     * that target in the low 16; 0 = none. The message is written before the word. */
+    _Alignas(64) _Atomic uint64_t refusal;
+    char refusal_message[EPX__SHM_MESSAGE_BYTES];
 } epx__shm_header_t;
+
+#define EPX__SHM_REFUSAL(target, count) (((uint64_t)(target) << 16) | ((uint64_t)(count) & 0xffffu))
+#define EPX__SHM_REFUSAL_TARGET(word) ((word) >> 16)
+#define EPX__SHM_REFUSAL_COUNT(word) ((uint32_t)((word) & 0xffffu))
 
 _Static_assert(sizeof(epx__shm_header_t) <= EPX__SHM_HEADER_BYTES,
                "the shm control header must fit in front of the data area");
@@ -53,6 +63,9 @@ struct epx__shm {
      * its death can be detected; 0 leaves that peer to the timeout. */
     unsigned char *pid_visible;
     uint64_t arrivals; /* this rank's counter (only this rank writes it) */
+    /* Calls this rank refused in a row while its counter stood at refusal_target - 1. */
+    uint64_t refusal_target;
+    uint32_t refusal_count;
     /* A failure learned from a peer in a barrier: published under the peer's rank if
      * this rank aborts because of it, so every rank names the first failure. */
     int learned_rank;
@@ -63,5 +76,21 @@ struct epx__shm {
 
 /* 1 if the process has exited (gone, or a zombie not yet reaped); 0 if alive. */
 int epx__shm_pid_exited(int64_t pid);
+
+/* A random 64-bit value for names (shm.c). */
+uint64_t epx__shm_random(void);
+
+/*
+ * Segment descriptors without names (shm_fd.c). epx__shm_anonymous_file: a new empty
+ * file that no name reaches (-1 with errno on failure). epx__shm_listen: a listening
+ * Unix socket in the abstract namespace, its name (without the leading NUL) in `name`.
+ * epx__shm_exchange_fds: with every rank's socket name known (names[r]) and shm->pids
+ * set, give `own_fd` to every peer and receive theirs into fds[r] (fds[rank] = -1).
+ * On failure every received descriptor is closed again.
+ */
+int epx__shm_anonymous_file(void);
+epx_status_t epx__shm_listen(struct epx__shm *shm, char *name, size_t name_size, int *listen_fd);
+epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_fd,
+                                   const char *const *names, int *fds);
 
 #endif /* EPX_TRANSPORT_SHM_PRIVATE_H */

@@ -102,6 +102,44 @@ static epx_status_t epx__shm_check_abort(struct epx__shm *shm, int peer, const c
     return EPX_ERROR(status, "%s: rank %d failed: %s", stage, origin, message);
 }
 
+/* EPX_SUCCESS, or the error for a peer that refused the call this barrier belongs to. */
+static epx_status_t epx__shm_check_refusal(struct epx__shm *shm, int peer, const char *stage,
+                                           uint64_t target)
+{
+    epx__shm_header_t *header = shm->headers[peer];
+    uint64_t word = atomic_load_explicit(&header->refusal, memory_order_acquire);
+    if (word == 0 || EPX__SHM_REFUSAL_TARGET(word) != target)
+        return EPX_SUCCESS;
+    uint32_t mine = shm->refusal_target == target ? shm->refusal_count : 0;
+    if (EPX__SHM_REFUSAL_COUNT(word) <= mine)
+        return EPX_SUCCESS; /* a call this rank refused too: nobody waited for it */
+    char message[EPX__SHM_MESSAGE_BYTES];
+    memcpy(message, header->refusal_message, sizeof(message));
+    message[sizeof(message) - 1] = '\0';
+    return EPX_ERROR(EPX_ERR_REMOTE, "%s: rank %d refused the call: %s", stage, peer, message);
+}
+
+void epx__shm_refuse(epx__shm_t *shm, const char *message)
+{
+    if (shm == NULL)
+        return;
+    uint64_t target = shm->arrivals + 1;
+    if (shm->refusal_target != target) {
+        shm->refusal_target = target;
+        shm->refusal_count = 0;
+    }
+    if (shm->refusal_count < 0xffffu)
+        shm->refusal_count++;
+    epx__shm_header_t *header = shm->headers[shm->rank];
+    /* A peer reads the message only after it sees a new word (release / acquire); one
+     * overwritten while a peer copies it can only come from a later refusal that the
+     * peer would report as well. */
+    snprintf(header->refusal_message, sizeof(header->refusal_message), "%s",
+             message != NULL ? message : "");
+    atomic_store_explicit(&header->refusal, EPX__SHM_REFUSAL(target, shm->refusal_count),
+                          memory_order_release);
+}
+
 /* Look for a failed or dead peer that has not arrived, and for the deadline. */
 static epx_status_t epx__shm_check_peers(struct epx__shm *shm, const char *stage, uint64_t target,
                                          int64_t waited_ns)
@@ -109,6 +147,10 @@ static epx_status_t epx__shm_check_peers(struct epx__shm *shm, const char *stage
     for (int r = 0; r < shm->world_size; r++)
         if (r != shm->rank)
             EPX_CHECK(epx__shm_check_abort(shm, r, stage));
+    for (int r = 0; r < shm->world_size; r++)
+        if (r != shm->rank &&
+            atomic_load_explicit(&shm->headers[r]->arrivals, memory_order_acquire) < target)
+            EPX_CHECK(epx__shm_check_refusal(shm, r, stage, target));
 
     for (int r = 0; r < shm->world_size; r++) {
         if (r == shm->rank || !shm->pid_visible[r])

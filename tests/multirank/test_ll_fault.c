@@ -1,0 +1,332 @@
+/*
+ * A rank lost in the middle of low-latency serving (include/epx.h, "Failed peers"): the
+ * survivors' failed wait returns EPX_ERR_REMOTE or EPX_ERR_TIMEOUT naming the rank, and
+ * the step still completes with the others: its results are written, its handle stays
+ * valid, the rank is masked, and the next steps run without it. Results are checked
+ * against the oracle (tests/common/moe_ll.h) with the lost rank masked.
+ *
+ *   test_ll_fault [--variant dispatch|combine|stop|all]
+ *
+ * Its own launcher (as test_killed_rank), 4 ranks on the CPU backend, rank 3 lost:
+ *   dispatch: rank 3 is SIGKILLed before step 1's dispatch;
+ *   combine:  rank 3 is SIGKILLed after step 1's dispatch, before its combine;
+ *   stop:     rank 3 stops answering (sleeps past the timeout) before step 1's dispatch.
+ * Every survivor then runs two more steps and checks them.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "moe_ll.h"
+#include "test_util.h"
+
+#define NUM_RANKS 4
+#define LOST 3
+#define TIMEOUT_MS 2000
+#define MAX_TOKENS 8
+#define EXPERTS_PER_RANK 3
+#define TOPK 4
+#define HIDDEN 128
+
+static epx_group_info_t info = EPX_GROUP_INFO_INIT;
+
+typedef struct {
+    moe_case_t c;
+    moe_inputs_t in;
+    uint16_t *out;
+    epx_ll_dispatch_result_t got;
+} step_t;
+
+static void step_init(step_t *s, uint64_t seed)
+{
+    memset(s, 0, sizeof *s);
+    s->c = (moe_case_t){NUM_RANKS, MAX_TOKENS, HIDDEN, EXPERTS_PER_RANK * NUM_RANKS, TOPK,
+                        EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.2, -1, 0};
+    CHECK_EQ_INT(moe_ll_inputs_make(&s->c, info.rank, &s->in), 0);
+    s->out = malloc((size_t)(MAX_TOKENS * HIDDEN) * 2);
+    CHECK(s->out != NULL);
+    memset(s->out, 0xff, (size_t)(MAX_TOKENS * HIDDEN) * 2); /* NaNs until written */
+    s->got = (epx_ll_dispatch_result_t)EPX_LL_DISPATCH_RESULT_INIT;
+}
+
+static void step_free(step_t *s)
+{
+    moe_inputs_free(&s->in);
+    free(s->out);
+}
+
+static epx_status_t step_dispatch(epx_buffer_t buffer, step_t *s)
+{
+    epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
+    args.x = epx_tensor_2d(s->in.x, EPX_DTYPE_BF16, s->in.num_tokens, HIDDEN);
+    args.topk_idx = epx_tensor_2d(s->in.topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
+    return epx_ll_dispatch(buffer, &args, &s->got, NULL);
+}
+
+/* The dispatch results against the oracle with `mask`. */
+static void check_dispatch(const step_t *s, const uint8_t *mask, const char *what)
+{
+    moe_ll_expected_t e;
+    moe_ll_cast_t bf16 = {0, 0, 0};
+    CHECK_EQ_INT(moe_ll_oracle_dispatch(&s->c, info.rank, MAX_TOKENS, mask, bf16, &e), 0);
+    const int32_t *count = s->got.recv_count.data;
+    const int32_t *src = s->got.recv_src_info.data;
+    const uint16_t *x = s->got.recv_x.data;
+    CHECK(count != NULL && src != NULL && x != NULL);
+    for (int local = 0; local < e.num_local; local++) {
+        if (count[local] != e.count[local])
+            TEST_FAIL("rank %d %s: expert %d received %d rows, oracle %d", info.rank, what,
+                      local, count[local], e.count[local]);
+        for (int64_t i = 0; i < e.count[local]; i++) {
+            int64_t row = local * e.rows + i;
+            if (src[row] != e.src_token[row] ||
+                memcmp(x + row * HIDDEN, (const uint16_t *)e.x + row * HIDDEN, HIDDEN * 2) != 0)
+                TEST_FAIL("rank %d %s: expert %d row %lld differs from the oracle", info.rank,
+                          what, local, (long long)i);
+        }
+    }
+    moe_ll_expected_free(&e);
+}
+
+/* Combine with the expert outputs of the received rows; `*status` is the call's. */
+static epx_status_t step_combine(epx_buffer_t buffer, step_t *s, epx_ll_combine_result_t *result)
+{
+    int64_t rows = (int64_t)MAX_TOKENS * NUM_RANKS;
+    uint16_t *x = calloc((size_t)(EXPERTS_PER_RANK * rows * HIDDEN), 2);
+    CHECK(x != NULL);
+    const int32_t *count = s->got.recv_count.data;
+    const int32_t *src = s->got.recv_src_info.data;
+    const int64_t *range = s->got.recv_layout_range.data;
+    for (int local = 0; local < EXPERTS_PER_RANK; local++)
+        for (int r = 0; r < NUM_RANKS; r++) {
+            int64_t begin = (int64_t)((uint64_t)range[local * NUM_RANKS + r] >> 32);
+            int64_t n = range[local * NUM_RANKS + r] & 0xffffffff;
+            for (int64_t i = begin; i < begin + n && i < count[local]; i++)
+                moe_ll_expert_row(&s->c, (int64_t)info.rank * EXPERTS_PER_RANK + local, r,
+                                  src[local * rows + i], x + ((size_t)local * rows + i) * HIDDEN);
+        }
+    epx_ll_combine_args_t args = EPX_LL_COMBINE_ARGS_INIT;
+    args.handle = s->got.handle;
+    args.x.data = x;
+    args.x.dtype = EPX_DTYPE_BF16;
+    args.x.ndim = 3;
+    args.x.shape[0] = EXPERTS_PER_RANK;
+    args.x.shape[1] = rows;
+    args.x.shape[2] = HIDDEN;
+    args.topk_idx = epx_tensor_2d(s->in.topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
+    args.topk_weights = epx_tensor_2d(s->in.topk_weights, EPX_DTYPE_FP32, s->in.num_tokens, TOPK);
+    args.out = epx_tensor_2d(s->out, EPX_DTYPE_BF16, s->in.num_tokens, HIDDEN);
+    epx_status_t status = epx_ll_combine(buffer, &args, result, NULL);
+    free(x);
+    return status;
+}
+
+static void check_combine(const step_t *s, const uint8_t *mask, int64_t reported_masked,
+                          const char *what)
+{
+    uint16_t *want;
+    int64_t masked;
+    CHECK_EQ_INT(moe_ll_oracle_combine(&s->c, info.rank, mask, &want, &masked), 0);
+    if (reported_masked != masked)
+        TEST_FAIL("rank %d %s: num_masked_entries %lld, oracle %lld", info.rank, what,
+                  (long long)reported_masked, (long long)masked);
+    for (int64_t i = 0; i < s->in.num_tokens * HIDDEN; i++)
+        if (s->out[i] != want[i])
+            TEST_FAIL("rank %d %s: combine out[%lld][%lld] = 0x%04x, oracle 0x%04x", info.rank,
+                      what, (long long)(i / HIDDEN), (long long)(i % HIDDEN), s->out[i], want[i]);
+    free(want);
+}
+
+/* A failed wait: the right class, naming the lost rank, in time. */
+static void check_peer_failure(epx_status_t status, double elapsed_ms, const char *what,
+                               int stopped)
+{
+    if (status != EPX_ERR_REMOTE && status != EPX_ERR_TIMEOUT)
+        TEST_FAIL("rank %d %s: returned %s (%s), expected a peer failure naming rank %d",
+                  info.rank, what, epx_status_name(status), epx_last_error(), LOST);
+    if (!mr_message_names_rank(epx_last_error(), LOST))
+        TEST_FAIL("rank %d %s: \"%s\" does not name rank %d", info.rank, what, epx_last_error(),
+                  LOST);
+    double limit = stopped ? 2.0 * TIMEOUT_MS + 2000 : 2000;
+    if (elapsed_ms > limit)
+        TEST_FAIL("rank %d %s: detection took %.0f ms (limit %.0f)", info.rank, what, elapsed_ms,
+                  limit);
+    printf("[rank %d] %s: %s after %.0f ms: %s\n", info.rank, what, epx_status_name(status),
+           elapsed_ms, epx_last_error());
+    fflush(stdout);
+}
+
+static void check_masked_query(epx_buffer_t buffer)
+{
+    int32_t mask[NUM_RANKS];
+    CHECK_OK(epx_ll_get_masked(buffer, mask, NUM_RANKS));
+    for (int r = 0; r < NUM_RANKS; r++)
+        if (mask[r] != (r == LOST))
+            TEST_FAIL("rank %d: epx_ll_get_masked says rank %d is %smasked", info.rank, r,
+                      mask[r] ? "" : "not ");
+    /* The failure is reported as the buffer's asynchronous error too, and poisons nothing. */
+    epx_status_t error = EPX_SUCCESS;
+    char message[512];
+    CHECK_OK(epx_get_async_error(buffer, &error, message, sizeof message));
+    if ((error != EPX_ERR_REMOTE && error != EPX_ERR_TIMEOUT) ||
+        !mr_message_names_rank(message, LOST))
+        TEST_FAIL("rank %d: async error %s \"%s\", expected the loss of rank %d", info.rank,
+                  epx_status_name(error), message, LOST);
+}
+
+static int run_child(int argc, char **argv, const char *variant)
+{
+    alarm(60);
+    epx_group_t group = mr_group_create(argc, argv, &info);
+    CHECK_EQ_INT(info.world_size, NUM_RANKS);
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = MAX_TOKENS;
+    config.hidden = HIDDEN;
+    config.num_experts = EXPERTS_PER_RANK * NUM_RANKS;
+    config.num_topk = TOPK;
+    config.max_low_latency_tokens = MAX_TOKENS;
+    epx_buffer_t buffer;
+    CHECK_OK(epx_buffer_create(group, &config, &buffer));
+    uint8_t mask[NUM_RANKS] = {0};
+    mask[LOST] = 1;
+
+    /* Step 0: everyone. */
+    step_t s;
+    epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
+    step_init(&s, 10);
+    CHECK_OK(step_dispatch(buffer, &s));
+    check_dispatch(&s, NULL, "step 0");
+    CHECK_OK(step_combine(buffer, &s, &result));
+    check_combine(&s, NULL, result.num_masked_entries, "step 0");
+    step_free(&s);
+
+    /* Step 1: rank 3 is lost before its dispatch or before its combine. */
+    int kill_first = strcmp(variant, "combine") != 0;
+    int stopped = strcmp(variant, "stop") == 0;
+    if (info.rank == LOST && kill_first) {
+        if (stopped) {
+            sleep(2 * TIMEOUT_MS / 1000 + 4); /* alive, silent, past every survivor's wait */
+            _exit(0);
+        }
+        raise(SIGKILL);
+    }
+    step_init(&s, 11);
+    double start = mr_now_ms();
+    epx_status_t status = step_dispatch(buffer, &s);
+    double elapsed = mr_now_ms() - start;
+    if (kill_first) {
+        check_peer_failure(status, elapsed, "step 1 dispatch", stopped);
+        check_masked_query(buffer);
+    } else {
+        CHECK_OK(status);
+        if (info.rank == LOST)
+            raise(SIGKILL);
+    }
+    /* Written all the same: rank 3's rows are absent, the others are all there. */
+    check_dispatch(&s, kill_first ? mask : NULL, "step 1 dispatch");
+    start = mr_now_ms();
+    result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
+    status = step_combine(buffer, &s, &result);
+    elapsed = mr_now_ms() - start;
+    if (kill_first) {
+        CHECK_OK(status); /* rank 3 was masked by the failed dispatch */
+    } else {
+        check_peer_failure(status, elapsed, "step 1 combine", 0);
+        check_masked_query(buffer);
+    }
+    check_combine(&s, mask, result.num_masked_entries, "step 1 combine");
+    /* The handle stayed valid: the step can be combined again, with the same result. */
+    memset(s.out, 0xff, (size_t)(MAX_TOKENS * HIDDEN) * 2);
+    result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
+    CHECK_OK(step_combine(buffer, &s, &result));
+    check_combine(&s, mask, result.num_masked_entries, "step 1 combined again");
+    step_free(&s);
+
+    /* Steps 2 and 3: serving goes on without rank 3. */
+    for (int i = 2; i < 4; i++) {
+        char what[32];
+        snprintf(what, sizeof what, "step %d", i);
+        step_init(&s, 10 + (uint64_t)i);
+        CHECK_OK(step_dispatch(buffer, &s));
+        check_dispatch(&s, mask, what);
+        result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
+        CHECK_OK(step_combine(buffer, &s, &result));
+        check_combine(&s, mask, result.num_masked_entries, what);
+        step_free(&s);
+    }
+    check_masked_query(buffer);
+    /* The destroy's vote cannot include rank 3: it may report that, and frees anyway. */
+    epx_status_t destroyed = epx_buffer_destroy(buffer);
+    CHECK(destroyed == EPX_SUCCESS || destroyed == EPX_ERR_BOOTSTRAP ||
+          destroyed == EPX_ERR_REMOTE || destroyed == EPX_ERR_TIMEOUT);
+    CHECK_STATUS(epx_buffer_destroy(buffer), EPX_ERR_INVALID_ARG); /* it is gone */
+    epx_group_destroy(group);
+    printf("[rank %d] %s: the step completed without rank %d and serving went on\n", info.rank,
+           variant, LOST);
+    return 0;
+}
+
+static int run_variant(const char *variant)
+{
+    epx_unique_id_t id;
+    char id_text[2 * EPX_UNIQUE_ID_BYTES + 64];
+    CHECK_OK(epx_get_unique_id(&id));
+    CHECK_OK(epx_unique_id_to_string(&id, id_text, sizeof id_text));
+    pid_t pids[NUM_RANKS];
+    for (int r = 0; r < NUM_RANKS; r++) {
+        fflush(stdout);
+        pids[r] = fork();
+        if (pids[r] < 0)
+            TEST_FAIL("fork: %s", strerror(errno));
+        if (pids[r] == 0) {
+            char rank_text[16], world_text[16], timeout_text[16];
+            snprintf(rank_text, sizeof rank_text, "%d", r);
+            snprintf(world_text, sizeof world_text, "%d", NUM_RANKS);
+            snprintf(timeout_text, sizeof timeout_text, "%d", TIMEOUT_MS);
+            setenv("EPX_RANK", rank_text, 1);
+            setenv("EPX_LOCAL_RANK", rank_text, 1);
+            setenv("EPX_WORLD_SIZE", world_text, 1);
+            setenv("EPX_UNIQUE_ID", id_text, 1);
+            setenv("EPX_TIMEOUT_MS", timeout_text, 1);
+            setenv("EPX_LOG_LEVEL", "error", 1);
+            char *child_argv[] = {"test_ll_fault", "--child", (char *)variant, "--backend",
+                                  "host", NULL};
+            execv("/proc/self/exe", child_argv);
+            _exit(127);
+        }
+    }
+    int failures = 0;
+    for (int r = 0; r < NUM_RANKS; r++) {
+        int status = 0;
+        waitpid(pids[r], &status, 0);
+        int lost_ok = r == LOST && ((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL) ||
+                                    (WIFEXITED(status) && WEXITSTATUS(status) == 0));
+        if (!lost_ok && !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+            failures++;
+            fprintf(stderr, "FAIL %s: rank %d ended with %s %d\n", variant, r,
+                    WIFSIGNALED(status) ? "signal" : "status",
+                    WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+        }
+    }
+    printf("%s %s\n", failures ? "FAIL" : "ok  ", variant);
+    return failures;
+}
+
+int main(int argc, char **argv)
+{
+    const char *child = mr_flag(argc, argv, "--child", NULL);
+    if (child != NULL)
+        return run_child(argc, argv, child);
+    const char *variant = mr_flag(argc, argv, "--variant", "all");
+    const char *all[] = {"dispatch", "combine", "stop"};
+    int failures = 0;
+    for (int i = 0; i < 3; i++)
+        if (strcmp(variant, "all") == 0 || strcmp(variant, all[i]) == 0)
+            failures += run_variant(all[i]);
+    return failures == 0 ? 0 : 1;
+}
