@@ -60,27 +60,20 @@ static const char bench_usage[] =
     "  --json            one JSON object per line instead of the table\n"
     "  --floor-bw GBPS   copy bandwidth for the floor (cuda: 4250 assumed; host: measured)\n"
     "  -n N              launch N ranks (when not already inside epx launch)\n"
-    "  --timeout S       limit for the launch that -n starts (600 s, at least the soak's
-"
-    "                    duration + 600 s; 0 = none)
-"
-    "
-"
-    "The table's floor is the least time the op can take, all ranks at once, moving the
-"
-    "bytes it must read and write through memory at the copy bandwidth; floor/time is
-"
-    "that floor over the slowest rank's median time (1.00 = at the floor). The header
-"
-    "says what each op's floor counts.
-"
+    "  --timeout S       limit for the launch that -n starts (600 s, at least the soak's\n"
+    "                    duration + 600 s; 0 = none)\n"
     "  --mps             with -n: run the ranks under a CUDA MPS daemon (epx launch --mps)\n"
     "  --ranks-per-node K  normal mode: virtual nodes of K ranks (with -n: the launch's\n"
     "                    --ranks-per-node; in a launch, EPX_RANKS_PER_NODE must say K);\n"
     "                    prints the expected traffic across nodes: network bytes per rank\n"
     "                    and per token (payload and record overhead), network messages per\n"
     "                    token, bytes moved inside nodes (docs/INTERNODE.md)\n"
-    "  -h, --help        this text\n";
+    "  -h, --help        this text\n"
+    "\n"
+    "The table's floor is the least time the op can take, all ranks at once, moving the\n"
+    "bytes it must read and write through memory at the copy bandwidth; floor/time is\n"
+    "that floor over the slowest rank's median time (1.00 = at the floor). The header\n"
+    "says what each op's floor counts.\n";
 
 void epx__bench_must(int rank, epx_status_t status, const char *what)
 {

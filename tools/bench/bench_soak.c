@@ -39,7 +39,7 @@
 #define SYNC_ROUNDS 4 /* rounds between two exchanges of the control words */
 
 const char epx__soak_usage[] =
-    "soak (the stability check; windows of latency percentiles, memory and failures):\n"
+    "\nsoak (the stability check; windows of latency percentiles, memory and failures):\n"
     "  --soak DURATION   run rounds of fresh random shapes for DURATION (90s, 10m, 72h),\n"
     "                    a sample checked against the oracle; exit 1 on a mismatch\n"
     "  --window S        seconds per report window (60, or a tenth of a shorter soak)\n"
