@@ -444,9 +444,8 @@ epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info);
  * rank r's rows from source s are rows [s][r] - count .. [s][r] - 1, and [world-1][r] is
  * what r received). Memory owned by the handle, valid until it is destroyed: host memory
  * on the host backend, device memory on the CUDA backend (written in stream order by the
- * dispatch, so also in worst-case mode, where the host does not know the counts). Across
- * nodes the CUDA backend gives host memory made from the counts, and a worst-case
- * handle there, which has none on the host, returns EPX_ERR_UNSUPPORTED.
+ * dispatch, so also in worst-case mode, where the host does not know the counts), on one
+ * node as across nodes.
  */
 epx_status_t epx_handle_get_rank_prefix_matrix(epx_handle_t handle, epx_tensor_t *matrix);
 epx_status_t epx_handle_destroy(epx_handle_t handle);

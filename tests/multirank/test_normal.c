@@ -662,10 +662,7 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
         dispatch_fresh_outputs(ctx, buffer, in, max_tokens * c->world_size,
                                EPX_DISPATCH_WORST_CASE, &worst, "worst-case dispatch");
     combine_check(ctx, buffer, worst_handle, 1, "combine of worst-case dispatch");
-    /* Across nodes on a GPU a worst-case handle has its counts on the device only, and
-     * the internode count exchange does not write the matrix (epx.h). */
-    if (one_node)
-        check_rank_prefix(ctx, worst_handle, "worst-case dispatch");
+    check_rank_prefix(ctx, worst_handle, "worst-case dispatch");
     combine_view_check(ctx, buffer, worst_handle, max_tokens, 1,
                        "combine of worst-case dispatch through the input view");
 

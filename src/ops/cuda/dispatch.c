@@ -274,10 +274,7 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
     if (fresh) {
         handle->backend_state = state;
         handle->backend_free = handle_free_state;
-        /* Across nodes the count exchange (nvshmem/xn_notify.cu) does not write it: the
-         * host makes it from the handle's counts. */
-        if (cuda->xn == NULL)
-            handle->rank_prefix_device = state->rank_prefix;
+        handle->rank_prefix_device = state->rank_prefix;
         handle->expert_alignment = args->expert_alignment;
     }
 

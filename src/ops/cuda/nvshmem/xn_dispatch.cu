@@ -137,6 +137,14 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
         if (a.ticket != 0)
             for (int i = threadIdx.x; i < R * R; i += blockDim.x)
                 s.mapped_rank_counts[i] = inbox[(i / R) * cols + i % R];
+        /* DeepEP's rank_prefix_matrix for the handle: [s][r] = tokens ranks 0..s sent to r. */
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            int32_t sum = 0;
+            for (int src = 0; src < R; src++) {
+                sum += inbox[src * cols + r];
+                a.rank_prefix[src * R + r] = sum;
+            }
+        }
         for (int n = threadIdx.x; n < N; n += blockDim.x) {
             a.xn.node_out[n] = n == my_node ? 0 : node_running[n];
             a.xn.node_in[n] =
