@@ -25,6 +25,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$root"
 py="${PYTHON:-python3}"
 build="${GPU_CHECK_BUILD_DIR:-$root/build-gpu}"
+# Absolute: the wheel step runs from python/.
+mkdir -p "$build" && build="$(cd "$build" && pwd)"
 what="${1:-all}"
 
 missing=()
