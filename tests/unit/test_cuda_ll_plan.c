@@ -111,8 +111,8 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
     size_t state = 6 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8;
     CHECK(local >= 2 * s.local_slot_bytes + state);
 
-    /* epx_buffer_size counts it on top of normal mode's part (one node only: across
-     * nodes a CUDA buffer has no normal-mode part). */
+    /* epx_buffer_size counts it on top of normal mode's part (checked here on one node;
+     * across nodes tests/unit/test_cuda_nodes.c checks the sum). */
     if (nodes > 1)
         return;
     size_t with = 0, without = 0;

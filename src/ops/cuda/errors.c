@@ -105,8 +105,8 @@ int epx__cuda_note_failure(epx_buffer_t buffer)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     const volatile epx__cuda_mapped_t *m = cuda->mapped;
-    /* A buffer across nodes has no normal-mode part, so no record to read (its
-     * low-latency failures have their own: epx__cuda_ll_poll). */
+    /* A buffer being torn down may have no record left (low-latency failures have
+     * their own: epx__cuda_ll_poll). */
     if (m == NULL)
         return 0;
     if (!cuda->error_seen) {
