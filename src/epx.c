@@ -288,20 +288,12 @@ epx_status_t epx_get_dispatch_layout(epx_buffer_t buffer, const epx_layout_args_
     return buffer->ops->layout(buffer, args, stream);
 }
 
-/* Normal mode on this buffer at all? Refused before anything is sent: no poison. */
-static epx_status_t normal_available(epx_buffer_t buffer, const char *op)
-{
-    return buffer->ops->normal_available != NULL ? buffer->ops->normal_available(buffer, op)
-                                                 : EPX_SUCCESS;
-}
-
 epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
                           epx_dispatch_result_t *result, void *stream)
 {
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "dispatch", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
-    EPX_CHECK(normal_available(buffer, "dispatch"));
     /* Args from before the layout-routing fields were appended: read as the full struct. */
     epx_dispatch_args_t full;
     if (args != NULL && args->size == offsetof(epx_dispatch_args_t, is_token_in_rank)) {
@@ -349,7 +341,6 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "combine", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
-    EPX_CHECK(normal_available(buffer, "combine"));
     /* Args from before the bias fields were appended: read as the full struct. */
     epx_combine_args_t full;
     if (args != NULL && args->size == offsetof(epx_combine_args_t, bias)) {

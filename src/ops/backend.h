@@ -185,9 +185,6 @@ struct epx__backend_ops {
     /* Mask `rank` (already checked: a peer, in range); read the mask ([world] 0/1). */
     epx_status_t (*ll_mask_rank)(epx_buffer_t buffer, int rank);
     void (*ll_get_masked)(epx_buffer_t buffer, int32_t *mask);
-    /* Optional: EPX_ERR_UNSUPPORTED when this buffer has no normal mode (a CUDA buffer
-     * across nodes); checked before anything is sent, so it poisons nothing. */
-    epx_status_t (*normal_available)(epx_buffer_t buffer, const char *op);
     /* Bytes that the rows of the low-latency x (dispatch), x and out (combine) must start
      * on (0 = any): checked with the other arguments, before anything is sent. */
     int ll_row_align;

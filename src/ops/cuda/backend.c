@@ -54,24 +54,6 @@ int epx__cuda_num_nodes(epx_group_t group)
     return group->world_size / group->ranks_per_node;
 }
 
-epx_status_t epx__cuda_choose_parts(epx_group_t group, const epx_buffer_config_t *config,
-                                    int *with_normal)
-{
-    /* Normal mode everywhere: over CUDA IPC on one node, in internode form across. */
-    (void)group;
-    (void)config;
-    *with_normal = 1;
-    return EPX_SUCCESS;
-}
-
-epx_status_t epx__cuda_require_normal(epx_buffer_t buffer, const char *op)
-{
-    const epx__cuda_buffer_t *cuda = buffer->impl;
-    if (cuda->shared != NULL)
-        return EPX_SUCCESS;
-    return EPX_ERROR(EPX_ERR_UNSUPPORTED, "%s: this buffer has no normal-mode memory", op);
-}
-
 epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
                             epx__cuda_shape_t *s, size_t *handle_slot_bytes)
 {
@@ -143,19 +125,14 @@ epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config
 static epx_status_t cuda_buffer_size(epx_group_t group, const epx_buffer_config_t *config,
                                      size_t *bytes)
 {
-    int with_normal = 0;
-    EPX_CHECK(epx__cuda_choose_parts(group, config, &with_normal));
-    size_t normal_bytes = 0;
-    if (with_normal) {
-        epx__cuda_shape_t shape;
-        size_t slot = 0;
-        EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
-        normal_bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t);
-    }
+    /* Every buffer has normal mode (over CUDA IPC on one node, internode across). */
+    epx__cuda_shape_t shape;
+    size_t slot = 0;
+    EPX_CHECK(epx__cuda_plan(group, config, &shape, &slot));
     epx_ll_shape_t ll_shape;
     size_t ll_sym = 0, ll_local = 0;
     EPX_CHECK(epx__cuda_ll_plan(group, config, &ll_shape, &ll_sym, &ll_local));
-    *bytes = normal_bytes + ll_sym + ll_local;
+    *bytes = (size_t)shape.shared_bytes + sizeof(epx__cuda_local_t) + ll_sym + ll_local;
     return EPX_SUCCESS;
 }
 
@@ -231,11 +208,9 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
     cuda->num_sms = buffer->config.num_sms;
     /* Every rank runs the same checks on the same config and group (the group's ranks
-     * agreed on ranks_per_node), so all fail alike here and all choose the same parts. */
-    int with_normal = 0;
-    epx_status_t status = epx__cuda_choose_parts(group, &buffer->config, &with_normal);
-    if (status == EPX_SUCCESS && with_normal)
-        status = epx__cuda_plan(group, &buffer->config, &cuda->shape, &cuda->handle_slot_bytes);
+     * agreed on ranks_per_node), so all fail alike here and all take the same path. */
+    epx_status_t status =
+        epx__cuda_plan(group, &buffer->config, &cuda->shape, &cuda->handle_slot_bytes);
     if (status != EPX_SUCCESS) {
         free(cuda);
         return status;
@@ -243,12 +218,12 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     cudaError_t err = cudaSetDevice(group->device);
     if (err != cudaSuccess)
         status = EPX_CUDA_ERROR(err, "buffer_create: cudaSetDevice(%d)", group->device);
-    if (with_normal && cuda->shape.num_nodes > 1) {
+    if (cuda->shape.num_nodes > 1) {
         /* Collective (NVSHMEM set-up votes): a local failure above is carried into it. */
         status = epx__cuda_xn_create(buffer, cuda, status);
         if (status == EPX_SUCCESS)
             status = create_local(buffer, cuda);
-    } else if (with_normal) {
+    } else {
         /* Collective: a local failure above is carried into the IPC step's vote. */
         epx__transport_ranks_t ranks = epx__group_ranks(group);
         status = epx__cuda_ipc_create(&ranks, (size_t)cuda->shape.shared_bytes, status,
@@ -292,7 +267,6 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
 static epx_status_t cuda_combine_input(epx_buffer_t buffer, void **base, int64_t *rows)
 {
     const epx__cuda_buffer_t *cuda = buffer->impl;
-    EPX_CHECK(epx__cuda_require_normal(buffer, "get_combine_input"));
     *base = cuda->shared + cuda->shape.off_combine_input;
     *rows = cuda->shape.max_recv;
     return EPX_SUCCESS;
@@ -376,7 +350,6 @@ static epx_status_t cuda_layout(epx_buffer_t buffer, const epx_layout_args_t *ar
     cudaStream_t st = (cudaStream_t)stream;
     /* Local, but it reports bad expert ids through the normal-mode error record, and
      * only normal mode's dispatch uses its counts. */
-    EPX_CHECK(epx__cuda_require_normal(buffer, "get_dispatch_layout"));
     EPX_CHECK(epx__cuda_poll(buffer));
     epx__cuda_layout_args_t a;
     memset(&a, 0, sizeof(a));
@@ -430,6 +403,5 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_combine_buffer = epx__cuda_ll_combine_buffer,
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
-    .normal_available = epx__cuda_require_normal,
     .ll_row_align = EPX__VECTOR_BYTES,
 };

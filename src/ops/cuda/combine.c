@@ -77,7 +77,6 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     epx__cuda_buffer_t *cuda = buffer->impl;
     const epx__cuda_shape_t *s = &cuda->shape;
     cudaStream_t st = (cudaStream_t)stream;
-    EPX_CHECK(epx__cuda_require_normal(buffer, "combine"));
     EPX_CHECK(epx__cuda_poll(buffer));
     const struct epx_handle *handle = args->handle;
     const epx__cuda_handle_state_t *state = handle->backend_state;

@@ -86,23 +86,6 @@ int epx__cuda_device_count(void);
 /* Nodes the group spans: world_size / ranks_per_node (group.c checks it divides). */
 int epx__cuda_num_nodes(epx_group_t group);
 
-/*
- * Which parts a buffer of this config gets on this group: *with_normal = 1 when its
- * ranks are on one node (normal mode over CUDA IPC, plus low-latency mode when the
- * config asks for it); 0 across nodes when the config asks for low-latency mode (that
- * part only). Across nodes without low-latency tokens: EPX_ERR_UNSUPPORTED. Pure (no
- * CUDA call, no peer), so every rank of the group decides alike.
- */
-epx_status_t epx__cuda_choose_parts(epx_group_t group, const epx_buffer_config_t *config,
-                                    int *with_normal);
-
-/*
- * EPX_SUCCESS when the buffer has its normal-mode part; otherwise EPX_ERR_UNSUPPORTED
- * naming `op` and the nodes the buffer spans. Every normal-mode entry point calls it
- * first, before it touches any normal-mode state.
- */
-epx_status_t epx__cuda_require_normal(epx_buffer_t buffer, const char *op);
-
 /* Byte layout of every rank's shared allocation for this config (fills `shape`). */
 epx_status_t epx__cuda_plan(epx_group_t group, const epx_buffer_config_t *config,
                             epx__cuda_shape_t *shape, size_t *handle_slot_bytes);

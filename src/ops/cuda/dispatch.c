@@ -222,7 +222,6 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
     epx__cuda_buffer_t *cuda = buffer->impl;
     cudaStream_t st = (cudaStream_t)stream;
     /* Fresh and cached dispatches alike: both signal peers through CUDA IPC. */
-    EPX_CHECK(epx__cuda_require_normal(buffer, "dispatch"));
     EPX_CHECK(epx__cuda_poll(buffer));
     int64_t tokens = args->x.shape[0];
     int worst_case = (args->flags & EPX_DISPATCH_WORST_CASE) != 0;
