@@ -130,6 +130,10 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
 
         int is_dispatch = op == EPX__BENCH_LL_DISPATCH || op == EPX__BENCH_LL_DISPATCH_SEND ||
                           op == EPX__BENCH_LL_DISPATCH_RECV || op == EPX__BENCH_LL_LOOP_DISPATCH;
+        if (op >= EPX__BENCH_LL_LAUNCH_LAG) { /* times only: no bytes, no floor */
+            row->check = EPX__BENCH_CHECK_NONE;
+            continue;
+        }
         int is_step = op == EPX__BENCH_LL_LOOP_STEP || op == EPX__BENCH_LL_LOOP_SPLIT ||
                       op == EPX__BENCH_LL_GRAPH_STEP;
         /* Dispatch: each source token read once (bf16 x and its top-k ids), each row sent
@@ -162,6 +166,32 @@ static void make_rows(const ll_case_t *lc, epx_dtype_t dtype, const double *time
         }
     }
     free(slowest);
+}
+
+/*
+ * The launch lag rows hold host clock readings until every rank's are here (times:
+ * [rank][op][iteration]): the time each rank left the barrier before the isolated
+ * dispatch, and that time plus the dispatch's GPU time. Per iteration they become the lag
+ * behind the first rank to leave, and the dispatch's end counted from the last rank's
+ * leaving: what the dispatch costs once every rank has started, the barrier's skew taken
+ * out (the slowest rank's lag is the skew).
+ */
+static void make_launch_lags(double *times, int world, int iters)
+{
+    size_t per_rank = (size_t)EPX__BENCH_LL_OP_COUNT * (size_t)iters;
+    double *lags = times + (size_t)EPX__BENCH_LL_LAUNCH_LAG * (size_t)iters;
+    double *ends = times + (size_t)EPX__BENCH_LL_DISPATCH_AFTER_LAST * (size_t)iters;
+    for (int it = 0; it < iters; it++) {
+        double first = INFINITY, last = -INFINITY;
+        for (int r = 0; r < world; r++) {
+            first = fmin(first, lags[r * per_rank + (size_t)it]);
+            last = fmax(last, lags[r * per_rank + (size_t)it]);
+        }
+        for (int r = 0; r < world; r++) {
+            ends[r * per_rank + (size_t)it] -= last;
+            lags[r * per_rank + (size_t)it] -= first;
+        }
+    }
 }
 
 /* One dispatch dtype. Returns 1 when some rank's check failed. */
@@ -225,6 +255,7 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     epx__bench_allgather(group, my_times, all_times, per_rank_times * sizeof(double),
                          "gathering times");
     epx__bench_allgather(group, &mine, all, sizeof(mine), "gathering check results");
+    make_launch_lags(all_times, lc.world_size, iters);
     make_rows(&lc, dtype, all_times, iters, all, per_rank, rows);
 
     int failed = 0;

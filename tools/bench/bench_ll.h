@@ -33,7 +33,12 @@ typedef enum {
     /* Steps captured in a CUDA graph and replayed: the GPU's time, no host in it (CUDA
      * backend only; the host backend leaves the row empty). */
     EPX__BENCH_LL_GRAPH_STEP = 10,
-    EPX__BENCH_LL_OP_COUNT = 11,
+    /* Where the isolated calls' tails come from (CUDA only, like the graph row): */
+    EPX__BENCH_LL_LAUNCH_LAG = 11, /* how long after the first rank this rank left the host
+                                    * barrier before the isolated dispatch (host clock) */
+    EPX__BENCH_LL_DISPATCH_AFTER_LAST = 12, /* that dispatch's end counted from the last
+                                             * rank's leaving the barrier */
+    EPX__BENCH_LL_OP_COUNT = 13,
 } epx__bench_ll_op_t;
 
 const char *epx__bench_ll_op_name(epx__bench_ll_op_t op);

@@ -36,6 +36,10 @@ const char *epx__bench_ll_op_name(epx__bench_ll_op_t op)
         return "step_split_loop";
     case EPX__BENCH_LL_GRAPH_STEP:
         return "step_graph";
+    case EPX__BENCH_LL_LAUNCH_LAG:
+        return "launch_lag";
+    case EPX__BENCH_LL_DISPATCH_AFTER_LAST:
+        return "dispatch_after_last";
     default:
         return "unknown";
     }

@@ -149,6 +149,13 @@ void epx__soak_mark(epx__soak_t *soak, int index)
     epx__bench_mark(soak->device, index);
 }
 
+void epx__soak_start_op(epx__soak_t *soak)
+{
+    if (soak->synced)
+        epx__bench_must(soak->rank, epx_group_barrier(soak->group), "epx_group_barrier");
+    epx__bench_mark(soak->device, 0);
+}
+
 double epx__soak_elapsed_us(epx__soak_t *soak)
 {
     double us[1] = {0};
@@ -623,6 +630,24 @@ int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
                (long long)options->tokens, (long long)soak->ll_tokens, (long long)options->hidden,
                options->experts, options->topk, so->run_normal ? "normal" : "",
                so->run_ll ? (so->run_normal ? "+ll" : "ll") : "", window_s, so->check_every);
+    /* One untimed round of each mode first: what a process pays once (loading kernels,
+     * NVSHMEM's first touch of its memory) is not a latency of the soak. */
+    soak->synced = 1;
+    for (int mode = 0; mode < 2; mode++) {
+        if (!(mode == 0 ? so->run_normal : so->run_ll))
+            continue;
+        epx__soak_round_t warm;
+        memset(&warm, 0, sizeof(warm));
+        uint64_t seed = options->seed * 0x100000001b3ull - 1 - (uint64_t)mode;
+        if (mode == 0)
+            epx__soak_normal_round(soak, seed, 0, &warm);
+        else
+            epx__soak_ll_round(soak, seed, 0, &warm);
+        if (warm.failed || warm.peer_losses > 0) {
+            fprintf(stderr, "epx bench: soak: rank %d: the warm-up round failed\n", info.rank);
+            return 1;
+        }
+    }
     epx__bench_must(info.rank, epx_group_barrier(group), "epx_group_barrier");
 
     int64_t start_ns = epx__tool_now_ns();
@@ -673,6 +698,7 @@ int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
      * the one lost); a fixed number of rounds, windows by round count. */
     int printer = so->inject_rank == 0 ? 1 : 0;
     if (decision.inject) {
+        soak->synced = 0;
         if (victim)
             act_as_victim(so, decision.elapsed_s, epx__tool_param_int("EPX_TIMEOUT_MS"),
                           soak->cuda);

@@ -83,6 +83,10 @@ typedef struct {
     int topk;
     epx_dtype_t ll_dtype;  /* the buffer's low_latency_dtype */
     int ll_combine_x;      /* combine_x also holds a low-latency [L, M * R, hidden] x */
+    /* The ranks meet at a host barrier before each timed op, so an op's latency is the op
+     * (plus the ranks' launch skew), not a peer's host work (drawing inputs, checking)
+     * before it. Off once a fault was injected: the rendezvous may be gone. */
+    int synced;
     /* Backend memory sized for the largest round, reused by every round. */
     void *x, *x_scales, *topk_idx, *topk_weights, *combine_x, *out_x;
 } epx__soak_t;
@@ -99,6 +103,8 @@ int64_t epx__soak_below(uint64_t *state, int64_t bound);
 
 /* Mark two device/host timestamps around an op; the op's duration in us. */
 void epx__soak_mark(epx__soak_t *soak, int index);
+/* Before a timed op: the barrier when synced, then the first timestamp. */
+void epx__soak_start_op(epx__soak_t *soak);
 double epx__soak_elapsed_us(epx__soak_t *soak);
 
 

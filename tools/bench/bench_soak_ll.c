@@ -247,7 +247,7 @@ void epx__soak_ll_round(epx__soak_t *soak, uint64_t seed, int check, epx__soak_r
     args.use_ue8m0 = r.cast.use_ue8m0;
     args.flags = split_dispatch ? EPX_LL_SEND_ONLY : 0;
     epx_ll_dispatch_result_t got = EPX_LL_DISPATCH_RESULT_INIT;
-    epx__soak_mark(soak, 0);
+    epx__soak_start_op(soak);
     status = epx_ll_dispatch(soak->buffer, &args, &got, soak->device->stream);
     status = receive_if_split(soak, got.handle, split_dispatch, status);
     epx__soak_mark(soak, 1);
@@ -296,7 +296,7 @@ void epx__soak_ll_round(epx__soak_t *soak, uint64_t seed, int check, epx__soak_r
     cargs.flags = split_combine ? EPX_LL_SEND_ONLY : 0;
     epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
     losses = out->peer_losses;
-    epx__soak_mark(soak, 0);
+    epx__soak_start_op(soak);
     status = epx_ll_combine(soak->buffer, &cargs, &result, soak->device->stream);
     status = receive_if_split(soak, got.handle, split_combine, status);
     epx__soak_mark(soak, 1);

@@ -185,7 +185,7 @@ void epx__soak_normal_round(epx__soak_t *soak, uint64_t seed, int check, epx__so
     args.topk_weights = epx_tensor_2d(soak->topk_weights, EPX_DTYPE_FP32, n, k);
     args.expert_alignment = r.c.expert_alignment;
     epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
-    epx__soak_mark(soak, 0);
+    epx__soak_start_op(soak);
     status = epx_dispatch(soak->buffer, &args, &result, device->stream);
     epx__soak_mark(soak, 1);
     if (status != EPX_SUCCESS) {
@@ -211,7 +211,7 @@ void epx__soak_normal_round(epx__soak_t *soak, uint64_t seed, int check, epx__so
         again.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
         again.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
         epx_dispatch_result_t cached_result = EPX_DISPATCH_RESULT_INIT;
-        epx__soak_mark(soak, 0);
+        epx__soak_start_op(soak);
         status = epx_dispatch(soak->buffer, &again, &cached_result, device->stream);
         epx__soak_mark(soak, 1);
         if (status != EPX_SUCCESS) {
@@ -241,7 +241,7 @@ void epx__soak_normal_round(epx__soak_t *soak, uint64_t seed, int check, epx__so
         cargs.x = x;
         cargs.out_x = epx_tensor_2d(soak->out_x, EPX_DTYPE_BF16, n, hidden);
         if (status == EPX_SUCCESS) {
-            epx__soak_mark(soak, 0);
+            epx__soak_start_op(soak);
             status = epx_combine(soak->buffer, &cargs, device->stream);
             epx__soak_mark(soak, 1);
         }
