@@ -110,6 +110,8 @@ void epx__log_set_rank(int rank);
     X(NVSHMEM_PLUGIN, STRING, "", 0, 0,                                                     \
       "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, the build, "  \
       "the loader's path")                                                                  \
+    X(NORMAL_KERNELS, INT, 1, 1, 2,                                                         \
+      "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings")  \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
       "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \

@@ -123,6 +123,8 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     /* Internode: the reduce kernel also sums the records this rank forwarded. */
     c.num_blocks = cuda->xn != NULL ? cuda->num_sms : epx__cuda_blocks_for(cuda, handle->num_tokens);
     c.xn = state->xn;
+    c.kernels = cuda->kernels;
+    c.num_sms = cuda->num_sms;
     EPX_CUDA_CHECK(epx__cuda_run_combine(cuda, &c, st), "combine: launching the combine kernel");
     return EPX_SUCCESS;
 }

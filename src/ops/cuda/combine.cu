@@ -23,6 +23,9 @@
  * flag and waits for everyone's: when the kernel ends nobody reads this rank's buffer
  * any more, so the next operation may overwrite it.
  *
+ * This is the vector form of the pull (EPX_NORMAL_KERNELS=1, and the fallback of the
+ * bulk-copy form in combine_bulk.cu).
+ *
  * Buffer use: reads only; the row of a token at rank r is send_row[t][r] < rows of r's
  * x (checked; a short x is an error naming the rank, never an out-of-bounds read).
  */
@@ -195,6 +198,12 @@ extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         return err;
+    if (args->kernels == EPX_CUDA_KERNELS_BULK) {
+        int launched = 0;
+        err = epx__cuda_launch_combine_bulk(shape, args, stream, &launched);
+        if (err != cudaSuccess || launched)
+            return err;
+    }
     epx_combine_kernel<2, 4><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
     return cudaGetLastError();
 }

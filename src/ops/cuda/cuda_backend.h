@@ -72,6 +72,7 @@ typedef struct {
     epx__cuda_pool_t *pool;
     size_t handle_slot_bytes;
     int num_sms;
+    int kernels; /* EPX_CUDA_KERNELS_*: EPX_NORMAL_KERNELS when the buffer was made */
     /* The device error record, once turned into a status (reported once, then kept). */
     int error_seen;
     epx_status_t error_status;

@@ -145,6 +145,8 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
     /* Internode: the forwarding kernel's work is the records that arrive, not known here. */
     d.num_blocks = cuda->xn != NULL ? cuda->num_sms : epx__cuda_blocks_for(cuda, tokens);
     d.xn = state->xn;
+    d.kernels = cuda->kernels;
+    d.num_sms = cuda->num_sms;
     EPX_CUDA_CHECK(epx__cuda_run_dispatch(cuda, &d, stream),
                    "dispatch: launching the data kernel");
     return EPX_SUCCESS;

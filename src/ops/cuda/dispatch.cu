@@ -20,6 +20,9 @@
  * done the same here, so work later on the stream sees all received rows. The other
  * blocks exit at once, so at most one block per rank spins.
  *
+ * This is the vector form (EPX_NORMAL_KERNELS=1, and the fallback of the bulk-copy form
+ * in dispatch_bulk.cu for rows it cannot take).
+ *
  * Buffer use: rows [0, received) of the receive region, bounded by max_tokens_per_rank
  * * world_size. A sender writes into a receiver only after the receiver's count flag
  * for this operation arrived (stream order after the notify kernel), so the receiver
@@ -131,6 +134,12 @@ extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
                                                  const epx__cuda_dispatch_args_t *args,
                                                  cudaStream_t stream)
 {
+    if (args->kernels == EPX_CUDA_KERNELS_BULK) {
+        int launched = 0;
+        cudaError_t err = epx__cuda_launch_dispatch_bulk(shape, args, stream, &launched);
+        if (err != cudaSuccess || launched)
+            return err;
+    }
     epx_dispatch_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
     return cudaGetLastError();
 }

@@ -44,6 +44,14 @@ extern "C" {
 /* Largest expert count the count kernels keep in shared memory. */
 #define EPX_CUDA_MAX_EXPERTS 8192
 
+/*
+ * Which single-node data kernels normal mode runs (EPX_NORMAL_KERNELS): the vector
+ * kernels (dispatch.cu, combine.cu: 16-byte loads and stores from registers) or the
+ * bulk-copy kernels (dispatch_bulk.cu, combine_bulk.cu: TMA copies through rings in
+ * shared memory; a case they cannot take runs the vector kernels).
+ */
+enum { EPX_CUDA_KERNELS_VECTOR = 1, EPX_CUDA_KERNELS_BULK = 2 };
+
 /* Where a device-side wait or check was when it failed (named in host messages). */
 typedef enum {
     EPX_CUDA_STAGE_NONE = 0,
@@ -288,11 +296,17 @@ typedef struct {
     int num_blocks;
     epx__cuda_xn_routing_t xn; /* internode mode */
     int64_t scales_col_stride; /* elements between columns (column-major x_scales) */
+    int kernels; /* EPX_CUDA_KERNELS_* (single node) */
+    int num_sms; /* the SM budget (the bulk kernels choose their own block count) */
 } epx__cuda_dispatch_args_t;
 
 cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
                                       const epx__cuda_dispatch_args_t *args,
                                       cudaStream_t stream);
+/* The bulk-copy form; *launched = 0 (and nothing queued) when the case does not fit it. */
+cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *shape,
+                                           const epx__cuda_dispatch_args_t *args,
+                                           cudaStream_t stream, int *launched);
 
 /* ---------------------------------------------------------------- combine */
 
@@ -314,10 +328,17 @@ typedef struct {
     const void *bias[2];    /* [T] bf16 rows added first, or NULL */
     int64_t bias_stride[2]; /* bytes */
     int bias_align[2];      /* alignment of the bias rows (16 = vector loads) */
+    int kernels; /* EPX_CUDA_KERNELS_* (single node) */
+    int num_sms; /* the SM budget (the bulk kernels choose their own block count) */
 } epx__cuda_combine_args_t;
 
 cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
                                      const epx__cuda_combine_args_t *args, cudaStream_t stream);
+/* The bulk-copy form of the pull kernel (after the ready kernel); *launched = 0 (and
+ * nothing queued) when the case does not fit it. */
+cudaError_t epx__cuda_launch_combine_bulk(const epx__cuda_shape_t *shape,
+                                          const epx__cuda_combine_args_t *args,
+                                          cudaStream_t stream, int *launched);
 
 /* ---------------------------------------------------------------- local copies */
 

@@ -1,0 +1,194 @@
+/*
+ * Bulk copies through shared memory (sm_90 TMA, `cp.async.bulk`): the helpers of the
+ * bulk-copy kernels (EPX_NORMAL_KERNELS=2: dispatch_bulk.cu, combine_bulk.cu, and the
+ * fan-out microbenchmark in copy_fanout.cu). Every kernel file uses these instead of
+ * writing its own inline PTX.
+ *
+ * The pattern: a ring of stages in shared memory, one mbarrier per stage. One thread
+ * arms a stage's barrier with the bytes it expects and starts bulk loads (global ->
+ * shared) that complete on it; whoever needs the data waits on the barrier's phase
+ * parity; bulk stores (shared -> global, peer memory mapped by CUDA IPC included) are
+ * committed as one group per item, and a stage is refilled only after the groups that
+ * read it have finished reading (`wait_group.read`). One thread keeps a whole ring of
+ * rows in flight, which is what a copy needs: bytes in flight, not instructions.
+ *
+ * Proxies: bulk copies run in the async proxy. Shared memory the generic proxy read is
+ * fenced before a bulk load overwrites it; bulk stores are waited for (`wait_group 0`)
+ * and fenced before the generic release that tells peers the data landed.
+ */
+#ifndef EPX_OPS_CUDA_BULK_CUH
+#define EPX_OPS_CUDA_BULK_CUH
+
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#include "device.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#error "the bulk-copy kernels need sm_90 (CMAKE_CUDA_ARCHITECTURES 90)"
+#endif
+
+/* Largest number of stages one ring may have (barriers live in static shared memory). */
+#define EPX_BULK_MAX_STAGES 8
+/* Warps per block of the bulk kernels, each with its own ring (one block per SM). */
+#define EPX_BULK_PIPES 4
+/* Shared memory the rings of one block take at most, by default (the device allows
+ * 227 KiB per block on sm_90; a little is left to the kernels' static arrays). */
+#define EPX_BULK_RING_BYTES (192 * 1024)
+
+__device__ __forceinline__ uint32_t epx_smem_addr(const void *p)
+{
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+/* ---------------------------------------------------------------- mbarriers */
+
+__device__ __forceinline__ void epx_mbar_init(uint64_t *bar, uint32_t count)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(epx_smem_addr(bar)), "r"(count)
+                 : "memory");
+}
+
+/* After the inits, before any bulk copy completes on those barriers. */
+__device__ __forceinline__ void epx_mbar_init_fence(void)
+{
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* Arrive (the barrier's one expected arrival) and expect `bytes` of bulk loads. */
+__device__ __forceinline__ void epx_mbar_arrive_expect(uint64_t *bar, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                     epx_smem_addr(bar)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+/* 1 once the phase of parity `parity` has completed (acquire: its bytes are visible). */
+__device__ __forceinline__ int epx_mbar_try_wait(uint64_t *bar, uint32_t parity)
+{
+    uint32_t done;
+    asm volatile("{\n"
+                 "  .reg .pred p;\n"
+                 "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                 "  selp.u32 %0, 1, 0, p;\n"
+                 "}\n"
+                 : "=r"(done)
+                 : "r"(epx_smem_addr(bar)), "r"(parity)
+                 : "memory");
+    return static_cast<int>(done);
+}
+
+/*
+ * Wait for phase `parity` of `bar`, giving up after `timeout_ns` (0 = returns at once
+ * when not complete). Returns 1 when the phase completed, 0 when the wait gave up or
+ * `*failed` (this rank's device error flag) became nonzero: the caller records why.
+ */
+__device__ __forceinline__ int epx_mbar_wait(uint64_t *bar, uint32_t parity, int64_t timeout_ns,
+                                             const int32_t *failed)
+{
+    if (epx_mbar_try_wait(bar, parity))
+        return 1;
+    const uint64_t start = epx_globaltimer();
+    for (;;) {
+        for (int spin = 0; spin < 16; spin++)
+            if (epx_mbar_try_wait(bar, parity))
+                return 1;
+        if (*reinterpret_cast<const volatile int32_t *>(failed) != 0 ||
+            epx_globaltimer() - start > static_cast<uint64_t>(timeout_ns))
+            return 0;
+    }
+}
+
+/* ---------------------------------------------------------------- bulk copies */
+
+/* global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned),
+ * completing on `bar` (armed with epx_mbar_arrive_expect for these bytes). */
+__device__ __forceinline__ void epx_bulk_load(void *smem_dst, const void *global_src,
+                                              uint32_t bytes, uint64_t *bar)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[%0], [%1], %2, [%3];" ::"r"(epx_smem_addr(smem_dst)),
+                 "l"(global_src), "r"(bytes), "r"(epx_smem_addr(bar))
+                 : "memory");
+}
+
+/* shared -> global (local or a peer's mapped memory), same size and alignment rules. */
+__device__ __forceinline__ void epx_bulk_store(void *global_dst, const void *smem_src,
+                                               uint32_t bytes)
+{
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(global_dst),
+                 "r"(epx_smem_addr(smem_src)), "r"(bytes)
+                 : "memory");
+}
+
+/* The stores issued since the last commit become one group (possibly empty). */
+__device__ __forceinline__ void epx_bulk_commit(void)
+{
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+/* Wait until at most the `kPending` most recent groups still read shared memory. */
+template <int kPending>
+__device__ __forceinline__ void epx_bulk_wait_read(void)
+{
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+
+/* Wait until every committed store has been performed, then order them before this
+ * thread's later generic accesses (the release of a "data landed" flag). */
+__device__ __forceinline__ void epx_bulk_wait_all(void)
+{
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+/* Generic-proxy accesses to this CTA's shared memory before, bulk copies after. */
+__device__ __forceinline__ void epx_bulk_fence_shared(void)
+{
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* ---------------------------------------------------------------- launchers */
+
+/*
+ * Shared memory the ring of one block of `kernel` may take: `requested` (0 =
+ * EPX_BULK_RING_BYTES), less what the device cannot give beside the kernel's static
+ * shared memory.
+ */
+static inline cudaError_t epx_bulk_ring_budget(const void *kernel, int64_t requested,
+                                               int64_t *budget)
+{
+    int device = 0, optin = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    cudaFuncAttributes attributes;
+    if (err == cudaSuccess)
+        err = cudaFuncGetAttributes(&attributes, kernel);
+    if (err != cudaSuccess)
+        return err;
+    int64_t room = static_cast<int64_t>(optin) - static_cast<int64_t>(attributes.sharedSizeBytes);
+    int64_t wanted = requested > 0 ? requested : EPX_BULK_RING_BYTES;
+    *budget = wanted < room ? wanted : room;
+    return cudaSuccess;
+}
+
+/* Blocks of a bulk kernel for `items` rows or tokens: one per EPX_BULK_PIPES items, at
+ * most the SM budget, at least one (the last block signals the peers). */
+static inline int epx_bulk_blocks(int64_t items, int num_sms)
+{
+    int64_t wanted = (items + EPX_BULK_PIPES - 1) / EPX_BULK_PIPES;
+    if (wanted > num_sms)
+        wanted = num_sms;
+    return wanted < 1 ? 1 : static_cast<int>(wanted);
+}
+
+static inline int64_t epx_bulk_round_up(int64_t value, int64_t multiple)
+{
+    return (value + multiple - 1) / multiple * multiple;
+}
+
+#endif /* EPX_OPS_CUDA_BULK_CUH */
