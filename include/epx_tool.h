@@ -7,6 +7,7 @@
  *   - the communication memory a buffer would take on a group of a given shape,
  *     without forming the group (`epx doctor` plans for ranks it does not start)
  *   - where the NVSHMEM plugin of low-latency CUDA buffers is (`epx doctor`)
+ *   - the fan-out copy of normal-mode dispatch, alone (`epx bench --mode fanout`)
  */
 #ifndef EPX_TOOL_H
 #define EPX_TOOL_H
@@ -69,6 +70,52 @@ epx_status_t epx_buffer_size_plan(epx_backend_t backend, int world_size, int ran
  * does not load, or this build has no CUDA backend.
  */
 epx_status_t epx_nvshmem_plugin_probe(char *path, size_t path_size, int version[3]);
+
+/* ---------------------------------------------------------------- copy ceiling */
+
+/* How epx_fanout_copy moves the rows (the CPU backend copies with memcpy either way). */
+typedef enum {
+    /* 16-byte vector loads and stores from registers, one row per warp at a time: the
+     * access pattern of the vector dispatch kernel (EPX_NORMAL_KERNELS=1). */
+    EPX_FANOUT_VECTOR = 1,
+    /* TMA bulk copies through a ring of rows in shared memory per warp: that of the
+     * bulk-copy dispatch kernel (EPX_NORMAL_KERNELS=2; needs sm_90). */
+    EPX_FANOUT_BULK = 2,
+} epx_fanout_kernel_t;
+
+typedef struct {
+    size_t size;                /* sizeof(epx_fanout_args_t): set by EPX_FANOUT_ARGS_INIT */
+    epx_fanout_kernel_t kernel; /* EPX_FANOUT_VECTOR (default) or EPX_FANOUT_BULK */
+    const void *src;            /* the rows, 16-byte aligned; device memory on CUDA */
+    int64_t src_pitch;          /* bytes between source rows, a multiple of 16; 0 = row_bytes */
+    int64_t rows;               /* 0 to config.max_tokens_per_rank */
+    int64_t row_bytes;          /* a multiple of 16, at most config.hidden * 2 */
+    /* Destinations per row on average, 1 to world_size (in thousandths): row i goes to
+     * k_i = floor((i + 1) * fanout) - floor(i * fanout) ranks. 1 = a plain copy. */
+    double fanout;
+    int num_sms;        /* SMs to use, 0 = the buffer's num_sms (at most 1024) */
+    int64_t ring_bytes; /* EPX_FANOUT_BULK: shared memory per block for the rings; 0 = what
+                           the bulk dispatch kernel takes */
+} epx_fanout_args_t;
+
+#define EPX_FANOUT_ARGS_INIT                                                               \
+    {sizeof(epx_fanout_args_t), EPX_FANOUT_VECTOR, NULL, 0, 0, 0, 1.0, 0, 0}
+
+/*
+ * The fan-out copy that normal-mode dispatch does, without its routing and signals, to
+ * measure the ceiling of that access pattern on the machine: each of `rows` source rows
+ * is read once and written to k_i ranks of the buffer's group, (rank + i + j) mod
+ * world_size for j < k_i, at row rank * max_tokens_per_rank + i of each one's
+ * combine-input region (epx_get_combine_input; the same memory peers map for normal
+ * mode). Queued on `stream` (a cudaStream_t on CUDA, NULL = the legacy default stream;
+ * ignored on the CPU backend, which copies before returning); no signal to or wait for
+ * the peers: the caller brackets the call with epx_group_barrier and a stream
+ * synchronisation, and times it. Every rank of the group may write into this rank's
+ * region meanwhile, so no operation may run on the buffer concurrently; what the
+ * caller had written into the combine-input region is overwritten. Not for buffers
+ * whose group spans nodes (EPX_ERR_UNSUPPORTED).
+ */
+epx_status_t epx_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args, void *stream);
 
 #ifdef __cplusplus
 }

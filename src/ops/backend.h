@@ -20,6 +20,7 @@
 #include "core/constants.h"
 #include "core/tensor.h"
 #include "epx.h"
+#include "epx_tool.h"
 #include "ops/group.h"
 
 typedef struct epx__backend_ops epx__backend_ops_t;
@@ -188,7 +189,29 @@ struct epx__backend_ops {
     /* Bytes that the rows of the low-latency x (dispatch), x and out (combine) must start
      * on (0 = any): checked with the other arguments, before anything is sent. */
     int ll_row_align;
+
+    /*
+     * Optional (NULL = EPX_ERR_UNSUPPORTED): tool support, epx_fanout_copy
+     * (include/epx_tool.h; arguments checked, the group on one node, num_sms resolved).
+     */
+    epx_status_t (*fanout_copy)(epx_buffer_t buffer, const epx_fanout_args_t *args,
+                                void *stream);
 };
+
+/*
+ * epx_fanout_copy's routing (include/epx_tool.h): the average fanout in thousandths, and
+ * the number of ranks row `row` goes to, k = floor((row + 1) * F / 1000) -
+ * floor(row * F / 1000) (the CUDA kernel computes the same from the same F).
+ */
+static inline int64_t epx__fanout_milli(double fanout)
+{
+    return (int64_t)(fanout * 1000.0 + 0.5);
+}
+
+static inline int epx__fanout_count(int64_t row, int64_t fanout_milli)
+{
+    return (int)((row + 1) * fanout_milli / 1000 - row * fanout_milli / 1000);
+}
 
 /* The tables (src/ops/host, src/ops/cuda). */
 extern const epx__backend_ops_t epx__host_backend;

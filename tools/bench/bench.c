@@ -36,10 +36,14 @@ static const char bench_usage[] =
     "With --mode ll, the low-latency ops instead: epx_ll_dispatch and epx_ll_combine\n"
     "(x in the zero-copy buffer), each in one call and split into its EPX_LL_SEND_ONLY\n"
     "send and its epx_ll_receive (ops dispatch_send, dispatch_recv, ...).\n"
+    "With --mode fanout, the copy that dispatch does, alone (epx_fanout_copy): each of\n"
+    "--tokens rows read once and written to --fanout ranks on average, with the vector\n"
+    "and the bulk-copy (TMA) kernels at the same SM budget, then as plain copies, then\n"
+    "by the copy engines; GB/s counts every rank's reads and writes.\n"
     "Run inside `epx launch`, or give -n N to have it launch itself.\n"
     "\n"
     "options (defaults: the standard case of docs/DESIGN.md for the mode):\n"
-    "  --mode M          normal or ll (normal)\n"
+    "  --mode M          normal, ll or fanout (normal)\n"
     "  --tokens N        tokens per rank (normal 4096; ll 128, also max_low_latency_tokens)\n"
     "  --hidden N        elements per token (7168)\n"
     "  --experts N       experts over all ranks (256)\n"
@@ -55,6 +59,8 @@ static const char bench_usage[] =
     "  --seed N          input seed (1)\n"
     "  --alignment N     per-expert count alignment, normal mode (1)\n"
     "  --sms N           SMs per rank for GPU kernels (0 = EPX_NUM_SMS)\n"
+    "  --fanout F        fanout: destinations per row on average, 1 to the ranks (5.25,\n"
+    "                    or the ranks when fewer)\n"
     "  --backend B       auto, host or cuda (auto)\n"
     "  --check           compare every result with the oracle; exit 1 on a mismatch\n"
     "  --json            one JSON object per line instead of the table\n"
@@ -103,6 +109,17 @@ static int usage_error(const char *flag, const char *value)
 static int apply_mode_defaults(epx__bench_options_t *o)
 {
     int ll = o->mode == EPX__BENCH_MODE_LL;
+    int fanout = o->mode == EPX__BENCH_MODE_FANOUT;
+    if (fanout && (o->check || o->soak.duration_s > 0 || o->ranks_per_node > 0)) {
+        fprintf(stderr, "epx bench: --mode fanout times copies only: no --check, --soak or "
+                        "--ranks-per-node\n");
+        return 2;
+    }
+    if (o->fanout > 0 && !fanout) {
+        fprintf(stderr, "epx bench: --fanout needs --mode fanout\n\n%s", bench_usage);
+        return 2;
+    }
+
     if (o->tokens == 0)
         o->tokens = ll ? 128 : 4096;
     if (o->run_bf16 < 0) {
@@ -234,6 +251,8 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
                 o->mode = EPX__BENCH_MODE_NORMAL;
             else if (strcmp(value, "ll") == 0)
                 o->mode = EPX__BENCH_MODE_LL;
+            else if (strcmp(value, "fanout") == 0)
+                o->mode = EPX__BENCH_MODE_FANOUT;
             else
                 return usage_error("--mode", value);
         } else if ((matched = epx__match_value(argc, argv, &i, "--dtype", &value)) != 0) {
@@ -266,6 +285,9 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         } else if ((matched = epx__match_value(argc, argv, &i, "--floor-bw", &value)) != 0) {
             if (matched < 0 || epx__parse_double(value, 1e-6, 1e9, &o->floor_bw_gbps) != 0)
                 return usage_error("--floor-bw", value);
+        } else if ((matched = epx__match_value(argc, argv, &i, "--fanout", &value)) != 0) {
+            if (matched < 0 || epx__parse_double(value, 1, 64, &o->fanout) != 0)
+                return usage_error("--fanout", value);
         } else if ((matched = epx__match_value(argc, argv, &i, "--timeout", &value)) != 0) {
             if (matched < 0 || epx__parse_double(value, 0, 1e9, &o->timeout_s) != 0)
                 return usage_error("--timeout", value);
@@ -458,7 +480,9 @@ static int run(const epx__bench_options_t *o)
 
     int failed = o->soak.duration_s > 0 ? epx__bench_soak_run(group, o, &device)
                  : ll ? epx__bench_ll_run(group, o, &device, &context)
-                      : run_normal(group, o, &device, &context, info.rank, nodes);
+                 : o->mode == EPX__BENCH_MODE_FANOUT
+                     ? epx__bench_fanout_run(group, o, &device, &context)
+                     : run_normal(group, o, &device, &context, info.rank, nodes);
     epx__bench_device_fini(&device);
     epx__bench_must(info.rank, epx_group_destroy(group), "epx_group_destroy");
     if (failed == 1 && info.rank == 0)
@@ -475,7 +499,7 @@ int epx__command_bench(int argc, char **argv)
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
         .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID, .ranks_per_node = 0,
-        .soak = EPX__SOAK_OPTIONS_INIT,
+        .soak = EPX__SOAK_OPTIONS_INIT, .fanout = 0,
     };
     char *launch_only = calloc((size_t)argc + 1, 1);
     if (launch_only == NULL) {

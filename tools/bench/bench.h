@@ -17,6 +17,7 @@
 typedef enum {
     EPX__BENCH_MODE_NORMAL = 0, /* layout, dispatch, cached dispatch, combine (bench_case.c) */
     EPX__BENCH_MODE_LL = 1,     /* low-latency dispatch and combine (bench_ll.c) */
+    EPX__BENCH_MODE_FANOUT = 2, /* the fan-out copy of dispatch alone (bench_fanout.c) */
 } epx__bench_mode_t;
 
 typedef struct {
@@ -49,6 +50,7 @@ typedef struct {
      * printed too (bench_nodes.h). */
     int ranks_per_node;
     epx__soak_options_t soak; /* --soak DURATION and its flags (bench_soak.h) */
+    double fanout;            /* fanout: destinations per row on average; 0 = not given */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */
@@ -72,6 +74,14 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
  */
 int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
                       epx__bench_device_t *device, const epx__bench_context_t *context);
+
+/*
+ * `epx bench --mode fanout` (bench_fanout.c): the fan-out copy of dispatch alone
+ * (epx_fanout_copy), vector and bulk kernels, and copy-engine copies, on rank 0's table.
+ * Returns 0; an epx call that fails ends the process (status 1).
+ */
+int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options,
+                          epx__bench_device_t *device, const epx__bench_context_t *context);
 
 /*
  * `epx bench --soak` (bench_soak.c): rounds of fresh random shapes until the duration is

@@ -65,4 +65,16 @@ epx_status_t epx__bench_elapsed_us(epx__bench_device_t *device, int marks,
  */
 double epx__bench_host_copy_bandwidth(size_t bytes);
 
+/* Copy `bytes` of backend memory, queued on the bench stream (CUDA: cudaMemcpyAsync,
+ * device to device, by the copy engines; host: memcpy). */
+epx_status_t epx__bench_copy(const epx__bench_device_t *device, void *dst, const void *src,
+                             size_t bytes);
+
+/*
+ * The backend's copy bandwidth in GB/s counting read + write: best of a few timed
+ * copies of `bytes` (CUDA: cudaMemcpyAsync device to device, as tests/gpu/cuda_normal
+ * measures it; host: epx__bench_host_copy_bandwidth). 0 if it could not be measured.
+ */
+double epx__bench_copy_bandwidth(epx__bench_device_t *device, size_t bytes);
+
 #endif /* EPX_TOOLS_BENCH_MEMORY_H */

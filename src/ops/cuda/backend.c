@@ -405,4 +405,5 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
     .ll_row_align = EPX__VECTOR_BYTES,
+    .fanout_copy = epx__cuda_fanout_copy,
 };

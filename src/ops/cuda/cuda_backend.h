@@ -141,5 +141,8 @@ epx_status_t epx__cuda_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
                                 epx_dispatch_result_t *result, void *stream);
 epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *args,
                                void *stream);
+/* Tool support: epx_fanout_copy (fanout.c). */
+epx_status_t epx__cuda_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args,
+                                   void *stream);
 
 #endif /* EPX_OPS_CUDA_BACKEND_H */

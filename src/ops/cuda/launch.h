@@ -359,6 +359,30 @@ typedef struct {
 cudaError_t epx__cuda_launch_copy(const epx__cuda_copy_args_t *args, int num_sms,
                                   cudaStream_t stream);
 
+/* ---------------------------------------------------------------- fan-out copy (tools) */
+
+/*
+ * epx_fanout_copy (include/epx_tool.h): row i of src to ranks (rank + i + j) mod R for
+ * j < k_i (epx__fanout_count of fanout_milli), at byte dst_offset + (first_row + i) *
+ * dst_pitch of each one's shared allocation. No signals.
+ */
+typedef struct {
+    const void *src;
+    int64_t src_pitch;
+    int64_t rows;
+    int64_t row_bytes;
+    int64_t fanout_milli;
+    int64_t dst_offset;
+    int64_t dst_pitch;
+    int64_t first_row;
+    int64_t ring_bytes; /* bulk: shared memory per block, 0 = EPX_BULK_RING_BYTES */
+    int kernels;        /* EPX_CUDA_KERNELS_* */
+    int num_sms;
+} epx__cuda_fanout_args_t;
+
+cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
+                                    const epx__cuda_fanout_args_t *args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

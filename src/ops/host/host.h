@@ -115,5 +115,8 @@ epx_status_t epx__host_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *
 epx_status_t epx__host_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
 /* The staging x rows of this rank: combine reads an x that is exactly this view in place. */
 epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *rows);
+/* epx_fanout_copy (host_fanout.c). */
+epx_status_t epx__host_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args,
+                                   void *stream);
 
 #endif /* EPX_OPS_HOST_HOST_H */

@@ -1,0 +1,155 @@
+/*
+ * The fan-out copy of normal-mode dispatch alone (epx_fanout_copy, include/epx_tool.h),
+ * for `epx bench --mode fanout`: how fast this access pattern can go on the machine,
+ * with the same SM budget and the same two ways of moving bytes as the dispatch kernels,
+ * and none of their routing, bookkeeping or signals.
+ *
+ * What moves: row i of src to k_i ranks, (rank + i + j) mod R for j < k_i, at row
+ * first_row + i of each one's combine-input region (the memory peers map by CUDA IPC).
+ *
+ * Roles: the vector kernel is dispatch.cu's copy loop: every warp of a block of
+ * EPX_CUDA_THREADS takes one row at a time, loads a batch of 16-byte vectors per lane
+ * (8 in flight) and stores it to each destination. The bulk kernel is dispatch_bulk.cu's
+ * ring: EPX_BULK_PIPES warps per block, lane 0 of each keeps a ring of rows in shared
+ * memory moving (bulk load of a row, then one bulk store per destination, the next
+ * stages-1 loads in flight meanwhile).
+ *
+ * Signals: none. The caller orders the copy against everything else (barriers, stream
+ * synchronisation). The only wait, for a local bulk load, gives up after the group's
+ * timeout and records the failure.
+ */
+#include "bulk.cuh"
+#include "signal.cuh"
+
+#define EPX_FANOUT_WARPS (EPX_CUDA_THREADS / 32)
+
+__device__ __forceinline__ int epx_fanout_count(int64_t row, int64_t milli)
+{
+    return static_cast<int>((row + 1) * milli / 1000 - row * milli / 1000);
+}
+
+__global__ void __launch_bounds__(EPX_CUDA_THREADS)
+    epx_fanout_vector_kernel(epx__cuda_shape_t s, epx__cuda_fanout_args_t a)
+{
+    __shared__ char *peers[EPX_CUDA_MAX_RANKS];
+    const int R = s.world_size;
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        peers[r] = epx_peer(s, r);
+    __syncthreads();
+    const int lane = epx_lane();
+    const int64_t units = a.row_bytes / 16;
+    const int64_t num_warps = static_cast<int64_t>(gridDim.x) * EPX_FANOUT_WARPS;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * EPX_FANOUT_WARPS + epx_warp(); i < a.rows;
+         i += num_warps) {
+        const char *src = static_cast<const char *>(a.src) + i * a.src_pitch;
+        const int count = epx_fanout_count(i, a.fanout_milli);
+        const int64_t offset = a.dst_offset + (a.first_row + i) * a.dst_pitch;
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * 8) {
+            int4 v[8];
+            epx_ld16_batch<8>(v, src, i0, units, lane, 16);
+            for (int j = 0; j < count; j++)
+                epx_st16_batch<8>(peers[(s.rank + i + j) % R] + offset, v, i0, units, lane);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
+    epx_fanout_bulk_kernel(epx__cuda_shape_t s, epx__cuda_fanout_args_t a, int stages,
+                           int64_t slot_bytes)
+{
+    extern __shared__ __align__(128) char ring[];
+    __shared__ uint64_t bars[EPX_BULK_PIPES][EPX_BULK_MAX_STAGES];
+    __shared__ char *peers[EPX_CUDA_MAX_RANKS];
+    const int R = s.world_size, S = stages;
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        peers[r] = epx_peer(s, r);
+    const int lane = epx_lane(), warp = epx_warp();
+    uint64_t *bar = bars[warp];
+    char *slots = ring + static_cast<int64_t>(warp) * S * slot_bytes;
+    if (lane == 0) {
+        for (int i = 0; i < S; i++)
+            epx_mbar_init(&bar[i], 1);
+        epx_mbar_init_fence();
+    }
+    __syncthreads();
+    /* One thread per ring drives every copy. */
+    if (lane != 0)
+        return;
+
+    const int64_t first = static_cast<int64_t>(blockIdx.x) * EPX_BULK_PIPES + warp;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * EPX_BULK_PIPES;
+    const int64_t count = first < a.rows ? (a.rows - 1 - first) / stride + 1 : 0;
+    const uint32_t bytes = static_cast<uint32_t>(a.row_bytes);
+    for (int64_t j = 0; j < count && j < S; j++) {
+        const int64_t i = first + j * stride;
+        const int n = epx_fanout_count(i, a.fanout_milli);
+        epx_mbar_arrive_expect(&bar[j], n > 0 ? bytes : 0);
+        if (n > 0)
+            epx_bulk_load(slots + j * slot_bytes, static_cast<const char *>(a.src) + i * a.src_pitch,
+                          bytes, &bar[j]);
+    }
+    for (int64_t j = 0; j < count; j++) {
+        const int slot = static_cast<int>(j % S);
+        const int64_t i = first + j * stride;
+        if (!epx_mbar_wait(&bar[slot], static_cast<uint32_t>((j / S) & 1), s.timeout_ns,
+                           &s.local->failed)) {
+            if (!epx_failed(s))
+                epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
+                                   s.rank, 0, i, 0);
+            break;
+        }
+        const int n = epx_fanout_count(i, a.fanout_milli);
+        const int64_t offset = a.dst_offset + (a.first_row + i) * a.dst_pitch;
+        for (int k = 0; k < n; k++)
+            epx_bulk_store(peers[(s.rank + i + k) % R] + offset, slots + slot * slot_bytes, bytes);
+        epx_bulk_commit();
+        const int64_t refill = j - 1 + S;
+        if (j >= 1 && refill < count) {
+            epx_bulk_wait_read<1>();
+            const int previous = static_cast<int>((j - 1) % S);
+            const int64_t row = first + refill * stride;
+            const int m = epx_fanout_count(row, a.fanout_milli);
+            epx_mbar_arrive_expect(&bar[previous], m > 0 ? bytes : 0);
+            if (m > 0)
+                epx_bulk_load(slots + previous * slot_bytes,
+                              static_cast<const char *>(a.src) + row * a.src_pitch, bytes,
+                              &bar[previous]);
+        }
+    }
+    epx_bulk_wait_all();
+}
+
+extern "C" cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
+                                               const epx__cuda_fanout_args_t *args,
+                                               cudaStream_t stream)
+{
+    if (args->rows <= 0)
+        return cudaSuccess;
+    if (args->kernels != EPX_CUDA_KERNELS_BULK) {
+        int64_t wanted = (args->rows + EPX_FANOUT_WARPS - 1) / EPX_FANOUT_WARPS;
+        int blocks = static_cast<int>(wanted < args->num_sms ? wanted : args->num_sms);
+        epx_fanout_vector_kernel<<<blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
+        return cudaGetLastError();
+    }
+    const void *kernel = reinterpret_cast<const void *>(epx_fanout_bulk_kernel);
+    int64_t budget = 0;
+    cudaError_t err = epx_bulk_ring_budget(kernel, args->ring_bytes, &budget);
+    if (err != cudaSuccess)
+        return err;
+    const int64_t slot_bytes = epx_bulk_round_up(args->row_bytes, 128);
+    int64_t stages = budget / (EPX_BULK_PIPES * slot_bytes);
+    if (stages > EPX_BULK_MAX_STAGES)
+        stages = EPX_BULK_MAX_STAGES;
+    /* A slot is refilled only after the next one's stores were issued: two at least. */
+    if (stages < 2)
+        return cudaErrorInvalidValue;
+    const int64_t ring_bytes = EPX_BULK_PIPES * stages * slot_bytes;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(ring_bytes));
+    if (err != cudaSuccess)
+        return err;
+    epx_fanout_bulk_kernel<<<epx_bulk_blocks(args->rows, args->num_sms), EPX_BULK_PIPES * 32,
+                             static_cast<size_t>(ring_bytes), stream>>>(
+        *shape, *args, static_cast<int>(stages), slot_bytes);
+    return cudaGetLastError();
+}

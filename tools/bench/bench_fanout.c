@@ -1,0 +1,276 @@
+/*
+ * `epx bench --mode fanout`: the copy normal-mode dispatch does, alone, to measure the
+ * ceiling of its access pattern on the machine rather than assume it.
+ *
+ * Every rank copies --tokens source rows; each goes to --fanout ranks on average (5.25,
+ * about what a standard dispatch sends a token to, or every rank when there are fewer), into their combine-input regions
+ * through the same mapping normal mode uses (CUDA IPC), with the buffer's SM budget
+ * (epx_fanout_copy, include/epx_tool.h). Rows, per dispatch dtype asked for (bf16: hidden
+ * x 2 bytes a row; fp8: hidden bytes):
+ *   vector          the vector dispatch kernel's copy loop (registers, 16-byte vectors)
+ *   bulk            the bulk dispatch kernel's ring (TMA through shared memory), with its
+ *                   shared-memory budget; bulk_96k, bulk_48k with smaller rings
+ *   vector, bulk    the same with fanout 1: a plain copy of each row
+ *   copy_engine     no SMs: each rank copies fanout x tokens rows with cudaMemcpyAsync,
+ *                   all ranks at once (what combine from a tensor outside the buffer must
+ *                   copy in first, done by the copy engines)
+ * Each row: rank 0's median, the slowest rank's median, every rank's bytes read +
+ * written, GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
+ * the copy bandwidth: measured by rank 0 alone at the start (cudaMemcpyAsync of 256 MiB,
+ * as tests/gpu/cuda_normal measures it), and the floor's bandwidth of the other modes.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench.h"
+#include "epx_tool.h"
+
+#define COPY_BANDWIDTH_BYTES ((size_t)256 << 20)
+
+typedef struct {
+    const char *name;
+    int engine;                 /* 1: copy engines (epx__bench_copy), else epx_fanout_copy */
+    epx_fanout_kernel_t kernel; /* epx_fanout_copy */
+    int plain;                  /* fanout 1 instead of the option's */
+    int64_t ring_bytes;         /* bulk: 0 = the dispatch kernel's */
+} fanout_variant_t;
+
+static const fanout_variant_t variants[] = {
+    {"vector", 0, EPX_FANOUT_VECTOR, 0, 0},
+    {"bulk", 0, EPX_FANOUT_BULK, 0, 0},
+    {"bulk_96k", 0, EPX_FANOUT_BULK, 0, 96 << 10},
+    {"bulk_48k", 0, EPX_FANOUT_BULK, 0, 48 << 10},
+    {"vector", 0, EPX_FANOUT_VECTOR, 1, 0},
+    {"bulk", 0, EPX_FANOUT_BULK, 1, 0},
+    {"copy_engine", 1, EPX_FANOUT_VECTOR, 0, 0},
+};
+#define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
+
+typedef struct {
+    epx_group_t group;
+    epx_buffer_t buffer;
+    epx__bench_device_t *device;
+    const epx__bench_options_t *options;
+    const epx__bench_context_t *context;
+    int rank;
+    int world_size;
+    void *src;         /* tokens rows of hidden * 2 bytes */
+    void *engine_src;  /* copy_engine: fanout x tokens rows */
+    void *engine_dst;
+    double fanout;     /* destinations per row on average */
+    double copy_gbps;  /* measured on rank 0 */
+} fanout_bench_t;
+
+/* Rows the fan-out writes for `rows` source rows (epx_tool.h's k_i summed). */
+static int64_t written_rows(int64_t rows, double fanout)
+{
+    int64_t milli = (int64_t)(fanout * 1000.0 + 0.5);
+    return rows * milli / 1000;
+}
+
+/* One timed call of `variant`: its duration in us on this rank. */
+static double run_once(fanout_bench_t *b, const fanout_variant_t *variant, int64_t row_bytes)
+{
+    const epx__bench_options_t *o = b->options;
+    epx__bench_must(b->rank, epx_group_barrier(b->group), "epx_group_barrier");
+    epx__bench_must(b->rank, epx__bench_mark(b->device, 0), "timestamp");
+    if (variant->engine) {
+        size_t bytes = (size_t)written_rows(o->tokens, b->fanout) * (size_t)row_bytes;
+        epx__bench_must(b->rank, epx__bench_copy(b->device, b->engine_dst, b->engine_src, bytes),
+                        "copy-engine copy");
+    } else {
+        epx_fanout_args_t args = EPX_FANOUT_ARGS_INIT;
+        args.kernel = variant->kernel;
+        args.src = b->src;
+        args.src_pitch = row_bytes;
+        args.rows = o->tokens;
+        args.row_bytes = row_bytes;
+        args.fanout = variant->plain ? 1.0 : b->fanout;
+        args.ring_bytes = variant->ring_bytes;
+        epx__bench_must(b->rank, epx_fanout_copy(b->buffer, &args, b->device->stream),
+                        "epx_fanout_copy");
+    }
+    epx__bench_must(b->rank, epx__bench_mark(b->device, 1), "timestamp");
+    double us = 0;
+    epx__bench_must(b->rank, epx__bench_elapsed_us(b->device, 2, &us), "reading timestamps");
+    /* Nobody starts the next copy into a region before every rank finished this one. */
+    epx__bench_must(b->rank, epx_group_barrier(b->group), "epx_group_barrier");
+    return us;
+}
+
+static void print_header(const fanout_bench_t *b)
+{
+    const epx__bench_context_t *c = b->context;
+    printf("# epx bench --mode fanout: backend %s, %d ranks, rows %lld per rank, hidden %lld, "
+           "fanout %.2f",
+           c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden,
+           b->fanout);
+    epx__bench_print_sms(stdout, c);
+    printf(", warmup %d iters %d\n", c->warmup, c->iters);
+    printf("# copy bandwidth: %.1f GB/s measured (rank 0 alone, %s, read + write); floor "
+           "bandwidth %.1f GB/s (%s)\n",
+           b->copy_gbps,
+           b->device->backend == EPX_BACKEND_CUDA ? "a device-to-device cudaMemcpyAsync"
+                                                  : "a memcpy",
+           c->floor_bw_gbps, c->floor_source);
+    printf("# bytes: every rank's rows read once + written once per destination; GB/s = bytes / "
+           "slowest; of_copy, of_floor: GB/s over those bandwidths\n");
+    printf("# %-5s %-12s %6s %11s %11s %10s %9s %8s %7s %8s\n", "dtype", "kernel", "fanout",
+           "median_us", "slowest_us", "GB", "GB/s", "GB/s/SM", "of_copy", "of_floor");
+    fflush(stdout);
+}
+
+static void print_row(const fanout_bench_t *b, const char *dtype, const fanout_variant_t *v,
+                      double fanout, double median_us, double slowest_us, int64_t bytes)
+{
+    const epx__bench_context_t *c = b->context;
+    double gbps = slowest_us > 0 ? (double)bytes / (slowest_us * 1e3) : NAN;
+    /* The copy engines use no SMs. */
+    double per_sm = !v->engine && c->sms > 0 ? gbps / ((double)c->sms * c->ranks) : NAN;
+    double of_copy = b->copy_gbps > 0 ? gbps / b->copy_gbps : NAN;
+    double of_floor = c->floor_bw_gbps > 0 ? gbps / c->floor_bw_gbps : NAN;
+    if (b->options->json) {
+        printf("{\"mode\":\"fanout\",\"backend\":\"%s\",\"ranks\":%d,\"rows\":%lld,"
+               "\"hidden\":%lld,\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"kernel\":\"%s\"",
+               c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->warmup,
+               c->iters, dtype, v->name);
+        epx__bench_print_json_number(stdout, "sms", c->sms > 0 ? c->sms : NAN);
+        epx__bench_print_json_number(stdout, "fanout", fanout);
+        epx__bench_print_json_number(stdout, "median_us", median_us);
+        epx__bench_print_json_number(stdout, "slowest_median_us", slowest_us);
+        printf(",\"total_bytes\":%lld", (long long)bytes);
+        epx__bench_print_json_number(stdout, "gbps", gbps);
+        epx__bench_print_json_number(stdout, "gbps_per_sm", per_sm);
+        epx__bench_print_json_number(stdout, "copy_gbps", b->copy_gbps > 0 ? b->copy_gbps : NAN);
+        epx__bench_print_json_number(stdout, "of_copy", of_copy);
+        epx__bench_print_json_number(stdout, "of_floor", of_floor);
+        printf("}\n");
+    } else {
+        printf("  %-5s %-12s %6.2f ", dtype, v->name, fanout);
+        epx__bench_print_number(stdout, 11, 1, median_us, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 11, 1, slowest_us, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 10, 3, (double)bytes / 1e9, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 9, 1, gbps, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 8, 1, per_sm, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 7, 2, of_copy, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 8, 2, of_floor, "-");
+        putchar('\n');
+    }
+    fflush(stdout);
+}
+
+/* Time one variant for one row size; rank 0 prints its row. */
+static void run_variant(fanout_bench_t *b, const char *dtype, const fanout_variant_t *v,
+                        int64_t row_bytes)
+{
+    const epx__bench_context_t *c = b->context;
+    int iters = c->iters;
+    double *mine = calloc((size_t)iters, sizeof(double));
+    double *all = calloc((size_t)iters * (size_t)b->world_size, sizeof(double));
+    double *slowest = calloc((size_t)iters, sizeof(double));
+    if (mine == NULL || all == NULL || slowest == NULL) {
+        fprintf(stderr, "epx bench: rank %d: out of memory\n", b->rank);
+        exit(1);
+    }
+    for (int it = 0; it < c->warmup + iters; it++) {
+        double us = run_once(b, v, row_bytes);
+        if (it >= c->warmup)
+            mine[it - c->warmup] = us;
+    }
+    epx__bench_allgather(b->group, mine, all, (size_t)iters * sizeof(double),
+                         "gathering times");
+    for (int it = 0; it < iters; it++) {
+        for (int r = 0; r < b->world_size; r++) {
+            double t = all[(size_t)r * (size_t)iters + (size_t)it];
+            slowest[it] = t > slowest[it] ? t : slowest[it];
+        }
+    }
+    double fanout = v->plain ? 1.0 : b->fanout;
+    int64_t rows = b->options->tokens;
+    /* Reads: each source row once (the copy engines: each copied row); writes: each copy. */
+    int64_t written = written_rows(rows, fanout);
+    int64_t per_rank = v->engine ? 2 * written * row_bytes : (rows + written) * row_bytes;
+    if (b->rank == 0)
+        print_row(b, dtype, v, fanout, epx__bench_median(mine, iters),
+                  epx__bench_median(slowest, iters), per_rank * b->world_size);
+    free(mine);
+    free(all);
+    free(slowest);
+}
+
+int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options,
+                          epx__bench_device_t *device, const epx__bench_context_t *context)
+{
+    fanout_bench_t b;
+    memset(&b, 0, sizeof(b));
+    b.group = group;
+    b.device = device;
+    b.options = options;
+    b.context = context;
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
+    b.rank = info.rank;
+    b.world_size = info.world_size;
+    b.fanout = options->fanout > 0 ? options->fanout : 5.25;
+    if (options->fanout == 0 && b.fanout > info.world_size)
+        b.fanout = info.world_size;
+    if (b.fanout > info.world_size) {
+        if (b.rank == 0)
+            fprintf(stderr, "epx bench: --fanout %.2f is more than the %d ranks\n", b.fanout,
+                    info.world_size);
+        /* No rank leaves before rank 0 has said why (the launcher stops the others). */
+        fflush(stderr);
+        epx_group_barrier(group);
+        return 2;
+    }
+
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = options->tokens;
+    config.hidden = options->hidden;
+    config.num_experts = options->experts;
+    config.num_topk = options->topk;
+    config.num_sms = options->sms;
+    epx__bench_must(b.rank, epx_buffer_create(group, &config, &b.buffer), "epx_buffer_create");
+
+    size_t row_bytes = (size_t)options->hidden * 2;
+    size_t engine_bytes = (size_t)written_rows(options->tokens, b.fanout) * row_bytes;
+    epx__bench_must(b.rank, epx__bench_alloc(device, (size_t)options->tokens * row_bytes, &b.src),
+                    "bench allocation");
+    epx__bench_must(b.rank, epx__bench_fill(device, b.src, 0x3c, (size_t)options->tokens * row_bytes),
+                    "bench fill");
+    epx__bench_must(b.rank, epx__bench_alloc(device, engine_bytes, &b.engine_src),
+                    "bench allocation");
+    epx__bench_must(b.rank, epx__bench_alloc(device, engine_bytes, &b.engine_dst),
+                    "bench allocation");
+
+    /* Rank 0 measures the copy bandwidth while the others wait. */
+    epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
+    if (b.rank == 0)
+        b.copy_gbps = epx__bench_copy_bandwidth(device, COPY_BANDWIDTH_BYTES);
+    epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
+
+    if (b.rank == 0 && !options->json)
+        print_header(&b);
+    const char *dtypes[] = {"bf16", "fp8"};
+    const int64_t widths[] = {2, 1};
+    for (int d = 0; d < 2; d++) {
+        if ((d == 0 && !options->run_bf16) || (d == 1 && !options->run_fp8))
+            continue;
+        for (int v = 0; v < NUM_VARIANTS; v++)
+            run_variant(&b, dtypes[d], &variants[v], options->hidden * widths[d]);
+    }
+
+    epx__bench_free(device, b.src);
+    epx__bench_free(device, b.engine_src);
+    epx__bench_free(device, b.engine_dst);
+    epx__bench_must(b.rank, epx_buffer_destroy(b.buffer), "epx_buffer_destroy");
+    return 0;
+}
