@@ -293,6 +293,58 @@ assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
 PY
     fi
     ;;
+bench_fanout)
+    # The copy of dispatch alone: every variant once per dtype, bytes as documented.
+    run "$EPX" bench -n 3 --mode fanout --tokens 64 --hidden 256 --experts 12 --topk 2 \
+        --fanout 2.5 --iters 2
+    expect_rc 0
+    expect_out '^# epx bench --mode fanout: backend host, 3 ranks, rows 64 per rank, hidden 256, fanout 2.50'
+    expect_count '^# copy bandwidth: [0-9.]* GB/s measured' out 1
+    for kernel in vector bulk; do
+        expect_count "^  bf16  $kernel  *2.50 " out 1
+        expect_count "^  bf16  $kernel  *1.00 " out 1
+        expect_count "^  fp8   $kernel  *1.00 " out 1
+    done
+    expect_count '^  bf16  bulk_96k  *2.50 ' out 1
+    expect_count '^  fp8   copy_engine  *2.50 ' out 1
+    expect_count '^  ' out 14
+    run "$EPX" bench -n 2 --mode fanout --tokens 32 --hidden 256 --experts 8 --topk 2 \
+        --dtype bf16 --iters 2 --json
+    expect_rc 0
+    expect_count '^{.*}$' out 7
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert len(rows) == 7, rows
+for row in rows:
+    assert row["mode"] == "fanout" and row["ranks"] == 2 and row["rows"] == 32, row
+    # Fanout not given: 5.25 capped at the 2 ranks; fanout 2 writes each row twice.
+    fanout = row["fanout"]
+    assert fanout in (1, 2), row
+    row_bytes = 256 * 2
+    written = 32 * fanout
+    per_rank = 2 * written * row_bytes if row["kernel"] == "copy_engine" else (32 + written) * row_bytes
+    assert row["total_bytes"] == 2 * per_rank, row
+    assert abs(row["gbps"] - row["total_bytes"] / (row["slowest_median_us"] * 1e3)) <= 1e-3 * row["gbps"], row
+    assert row["of_copy"] > 0 and abs(row["of_copy"] - row["gbps"] / row["copy_gbps"]) <= 1e-3 * row["of_copy"], row
+assert [r["kernel"] for r in rows] == ["vector", "bulk", "bulk_96k", "bulk_48k", "vector", "bulk", "copy_engine"], rows
+PY
+    fi
+    # Refused: no checks in this mode, --fanout only in it, more than the ranks.
+    run "$EPX" bench --mode fanout --check
+    expect_rc 2
+    expect_err 'no --check'
+    run "$EPX" bench --fanout 2
+    expect_rc 2
+    expect_err '--fanout needs --mode fanout'
+    run "$EPX" bench --mode fanout --fanout 0.5
+    expect_rc 2
+    expect_err "bad value for --fanout: '0.5'"
+    run "$EPX" bench -n 2 --mode fanout --fanout 3 --tokens 8 --hidden 128 --experts 4 --topk 2
+    expect_rc 2
+    expect_err 'fanout 3.00 is more than the 2 ranks'
+    ;;
 bench_nodes)
     # Two virtual nodes of 2 ranks: checked results (combine sums node by node) and the
     # expected traffic across nodes, which must agree with the bench's own byte counts.
