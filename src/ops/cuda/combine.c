@@ -12,7 +12,10 @@
  *     layout and each peer adds the offset to its own mapping of this rank's, so any
  *     16-byte aligned x inside the data regions works.
  *   - x anywhere else: one local copy into the receive region first (its dispatch
- *     views are no longer valid: this is a new operation), then the pull.
+ *     views are no longer valid: this is a new operation), then the pull. The vector
+ *     kernels copy with the SM copy kernel (copy.cu); the bulk-copy kernels
+ *     (EPX_NORMAL_KERNELS=2) hand the copy to the copy engines (cudaMemcpy2DAsync, no
+ *     SM time) when the host knows how many rows were received, else the SM kernel.
  * Top-k weights, when given, are copied into the combine-weights region (small).
  * No host wait: failures surface through the device error record.
  */
@@ -89,9 +92,19 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     int inside = 0;
     int64_t x_offset = s->off_x, x_stride = s->hidden * 2;
     EPX_CHECK(locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride));
-    if (!inside)
+    if (!inside && cuda->kernels == EPX_CUDA_KERNELS_BULK && handle->num_recv_tokens >= 0) {
+        int64_t received = rows < handle->num_recv_tokens ? rows : handle->num_recv_tokens;
+        size_t row_bytes = (size_t)s->hidden * 2;
+        if (received > 0)
+            EPX_CUDA_CHECK(cudaMemcpy2DAsync(cuda->shared + s->off_x, row_bytes, args->x.data,
+                                             (size_t)epx__tensor_row_stride(&args->x) * 2,
+                                             row_bytes, (size_t)received,
+                                             cudaMemcpyDefault, st),
+                           "combine: copying x into the buffer (copy engines)");
+    } else if (!inside) {
         EPX_CHECK(stage_rows(cuda, &args->x, s->off_x, s->hidden * 2, rows, state->recv_count, st,
                              "x"));
+    }
     int has_weights = epx__tensor_given(&args->topk_weights);
     if (has_weights)
         EPX_CHECK(stage_rows(cuda, &args->topk_weights, s->off_combine_weights,
