@@ -9,7 +9,9 @@
  *
  * Files: backend.c (the vtable, buffers, layout, abort), dispatch.c, combine.c,
  * errors.c (device error record -> status, host waits), pool.c (device memory of
- * handles). Kernels: layout.cu, dispatch.cu, combine.cu, copy.cu via launch.h.
+ * handles), fanout.c (tool support: epx_fanout_copy). Kernels via launch.h: layout.cu,
+ * dispatch.cu and combine.cu (vector form), dispatch_bulk.cu and combine_bulk.cu
+ * (bulk-copy form, EPX_NORMAL_KERNELS=2), copy.cu, copy_fanout.cu.
  */
 #ifndef EPX_OPS_CUDA_BACKEND_H
 #define EPX_OPS_CUDA_BACKEND_H
