@@ -93,9 +93,11 @@ typedef struct {
     /* Destinations per row on average, 1 to world_size (in thousandths): row i goes to
      * k_i = floor((i + 1) * fanout) - floor(i * fanout) ranks. 1 = a plain copy. */
     double fanout;
-    int num_sms;        /* SMs to use, 0 = the buffer's num_sms (at most 1024) */
-    int64_t ring_bytes; /* EPX_FANOUT_BULK: shared memory per block for the rings; 0 = what
-                           the bulk dispatch kernel takes */
+    int num_sms; /* SMs to use, 0 = the buffer's num_sms (at most 1024) */
+    /* EPX_FANOUT_BULK: row slots of each warp's ring, 2 to 8 (the shared memory of a
+     * block must hold them: EPX_ERR_CUDA when it cannot); 0 = as many as the bulk
+     * dispatch kernel's budget holds. */
+    int stages;
 } epx_fanout_args_t;
 
 #define EPX_FANOUT_ARGS_INIT                                                               \

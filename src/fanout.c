@@ -52,10 +52,10 @@ static epx_status_t check_args(epx_buffer_t buffer, const epx_fanout_args_t *arg
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "fanout_copy: num_sms is %d, expected 0 (the buffer's) to 1024",
                          args->num_sms);
-    if (args->ring_bytes < 0)
+    if (args->stages != 0 && (args->stages < 2 || args->stages > 8))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "fanout_copy: ring_bytes is %lld, expected 0 (the default) or more",
-                         (long long)args->ring_bytes);
+                         "fanout_copy: stages is %d, expected 0 (the default) or 2 to 8",
+                         args->stages);
     return EPX_SUCCESS;
 }
 

@@ -57,7 +57,8 @@ static const char *break_args(int i, epx_fanout_args_t *a, void *src, const char
     case 12: *culprit = "fanout"; a->fanout = R + 1; return "fanout: fanout past the ranks";
     case 13: *culprit = "num_sms"; a->num_sms = -1; return "fanout: num_sms -1";
     case 14: *culprit = "num_sms"; a->num_sms = 2000; return "fanout: num_sms 2000";
-    case 15: *culprit = "ring_bytes"; a->ring_bytes = -1; return "fanout: ring_bytes -1";
+    case 15: *culprit = "stages"; a->stages = 1; return "fanout: stages 1";
+    case 16: *culprit = "stages"; a->stages = 9; return "fanout: stages 9";
     default: return NULL;
     }
 }

@@ -9,7 +9,8 @@
  * x 2 bytes a row; fp8: hidden bytes):
  *   vector          the vector dispatch kernel's copy loop (registers, 16-byte vectors)
  *   bulk            the bulk dispatch kernel's ring (TMA through shared memory), with its
- *                   shared-memory budget; bulk_96k, bulk_48k with smaller rings
+ *                   shared-memory budget; bulk_2 with two row slots per warp (fewer
+ *                   bytes in flight: how much the ring's depth matters)
  *   vector, bulk    the same with fanout 1: a plain copy of each row
  *   copy_engine     no SMs: each rank copies fanout x tokens rows with cudaMemcpyAsync,
  *                   all ranks at once (what combine from a tensor outside the buffer must
@@ -34,14 +35,13 @@ typedef struct {
     int engine;                 /* 1: copy engines (epx__bench_copy), else epx_fanout_copy */
     epx_fanout_kernel_t kernel; /* epx_fanout_copy */
     int plain;                  /* fanout 1 instead of the option's */
-    int64_t ring_bytes;         /* bulk: 0 = the dispatch kernel's */
+    int stages;                 /* bulk: slots per warp, 0 = the dispatch kernel's */
 } fanout_variant_t;
 
 static const fanout_variant_t variants[] = {
     {"vector", 0, EPX_FANOUT_VECTOR, 0, 0},
     {"bulk", 0, EPX_FANOUT_BULK, 0, 0},
-    {"bulk_96k", 0, EPX_FANOUT_BULK, 0, 96 << 10},
-    {"bulk_48k", 0, EPX_FANOUT_BULK, 0, 48 << 10},
+    {"bulk_2", 0, EPX_FANOUT_BULK, 0, 2},
     {"vector", 0, EPX_FANOUT_VECTOR, 1, 0},
     {"bulk", 0, EPX_FANOUT_BULK, 1, 0},
     {"copy_engine", 1, EPX_FANOUT_VECTOR, 0, 0},
@@ -88,7 +88,7 @@ static double run_once(fanout_bench_t *b, const fanout_variant_t *variant, int64
         args.rows = o->tokens;
         args.row_bytes = row_bytes;
         args.fanout = variant->plain ? 1.0 : b->fanout;
-        args.ring_bytes = variant->ring_bytes;
+        args.stages = variant->stages;
         epx__bench_must(b->rank, epx_fanout_copy(b->buffer, &args, b->device->stream),
                         "epx_fanout_copy");
     }

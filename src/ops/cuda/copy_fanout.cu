@@ -132,16 +132,22 @@ extern "C" cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
         return cudaGetLastError();
     }
     const void *kernel = reinterpret_cast<const void *>(epx_fanout_bulk_kernel);
-    int64_t budget = 0;
-    cudaError_t err = epx_bulk_ring_budget(kernel, args->ring_bytes, &budget);
+    const int64_t slot_bytes = epx_bulk_round_up(args->row_bytes, 128);
+    int64_t budget = 0, room = 0;
+    cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
+    if (err == cudaSuccess)
+        err = epx_bulk_ring_budget(kernel, INT64_MAX, &room);
     if (err != cudaSuccess)
         return err;
-    const int64_t slot_bytes = epx_bulk_round_up(args->row_bytes, 128);
-    int64_t stages = budget / (EPX_BULK_PIPES * slot_bytes);
-    if (stages > EPX_BULK_MAX_STAGES)
-        stages = EPX_BULK_MAX_STAGES;
-    /* A slot is refilled only after the next one's stores were issued: two at least. */
-    if (stages < 2)
+    int64_t stages = args->stages;
+    if (stages == 0) {
+        stages = budget / (EPX_BULK_PIPES * slot_bytes);
+        if (stages > EPX_BULK_MAX_STAGES)
+            stages = EPX_BULK_MAX_STAGES;
+    }
+    /* A slot is refilled only after the next one's stores were issued: two at least,
+     * and the block's shared memory must hold them. */
+    if (stages < 2 || stages > EPX_BULK_MAX_STAGES || EPX_BULK_PIPES * stages * slot_bytes > room)
         return cudaErrorInvalidValue;
     const int64_t ring_bytes = EPX_BULK_PIPES * stages * slot_bytes;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

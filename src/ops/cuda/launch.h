@@ -375,9 +375,9 @@ typedef struct {
     int64_t dst_offset;
     int64_t dst_pitch;
     int64_t first_row;
-    int64_t ring_bytes; /* bulk: shared memory per block, 0 = EPX_BULK_RING_BYTES */
-    int kernels;        /* EPX_CUDA_KERNELS_* */
+    int kernels; /* EPX_CUDA_KERNELS_* */
     int num_sms;
+    int stages;  /* bulk: slots per warp's ring, 0 = what EPX_BULK_RING_BYTES holds */
 } epx__cuda_fanout_args_t;
 
 cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
