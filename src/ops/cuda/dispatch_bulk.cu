@@ -15,9 +15,9 @@
  * Per-row bookkeeping stays off the copy's critical path: the whole warp reads a
  * token's destination rows (and rewrites them in fresh mode) when its load is issued,
  * stages-1 tokens ahead, with the routing loads themselves issued one iteration before
- * they are used; the top-k ids, weights and strided scales are loaded before lane 0
- * waits for the row and stored to each destination by the lanes while the row's bulk
- * stores run.
+ * they are used; the top-k ids and weights are read one token ahead as well, and stored
+ * to each destination by the lanes (with the scales when they are strided) while the
+ * row's bulk stores run.
  *
  * Signals: as dispatch.cu, after every warp waited for its bulk stores to be performed
  * (and fenced them against the generic release of the data flag).
@@ -56,6 +56,19 @@ __device__ __forceinline__ void epx_load_route(const epx__cuda_dispatch_args_t &
 {
     *first = lane < R ? a.send_row[t * R + lane] : -1;
     *second = lane + 32 < R ? a.send_row[t * R + lane + 32] : -1;
+}
+
+/* Top-k id and weight `lane` of token t (-1 and 0 past K, or without top-k outputs). */
+__device__ __forceinline__ void epx_load_topk(const epx__cuda_dispatch_args_t &a, int K,
+                                              int64_t t, int lane, int64_t *id, float *weight)
+{
+    *id = -1;
+    *weight = 0.0f;
+    if (a.topk_idx != NULL && lane < K) {
+        *id = a.topk_idx[t * a.topk_stride + lane];
+        if (a.topk_weights != NULL)
+            *weight = a.topk_weights[t * a.weights_stride + lane];
+    }
 }
 
 /*
@@ -148,6 +161,12 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     if (S < count)
         epx_load_route(a, R, first + S * stride, lane, &next_first, &next_second);
 
+    /* Top-k entries (lanes below K) are read one token ahead too. */
+    int64_t next_id = -1;
+    float next_weight = 0.0f;
+    if (count > 0)
+        epx_load_topk(a, K, first, lane, &next_id, &next_weight);
+
     int ok = 1;
     for (int64_t j = 0; j < count; j++) {
         const int slot = static_cast<int>(j % S);
@@ -155,15 +174,10 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         const int64_t t = first + j * stride;
         char *route = routes + slot * g.route_bytes;
         char *row = slots + slot * g.slot_bytes;
-
-        /* The token's top-k entries, loaded now so their latency hides behind the wait. */
-        int64_t lane_id = -1;
-        float lane_weight = 0.0f;
-        if (a.topk_idx != NULL && lane < K) {
-            lane_id = a.topk_idx[t * a.topk_stride + lane];
-            if (a.topk_weights != NULL)
-                lane_weight = a.topk_weights[t * a.weights_stride + lane];
-        }
+        const int64_t lane_id = next_id;
+        const float lane_weight = next_weight;
+        if (j + 1 < count)
+            epx_load_topk(a, K, t + stride, lane, &next_id, &next_weight);
 
         if (lane == 0) {
             ok = epx_mbar_wait(&bar[slot], parity, s.timeout_ns, &s.local->failed);
