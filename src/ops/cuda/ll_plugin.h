@@ -229,13 +229,14 @@ EPX_LL_HOST_DEVICE int epx_ll2_chunk_tokens(int topk)
 }
 
 /*
- * Shared memory of the kernels-2 dispatch: the send part (8-byte items first: the chunk's
- * destinations [2][C*k]; then int32: the routing cache, hist, before, base, put_first [E],
- * chunk experts and rows [2][C*k], ok, rows_block, rows_to, batches_to [R]) or the receive
- * part (int32 from the start: counts [L][R], first [L][R + 1], rows_before [L + 1],
- * units, failed [R]), whichever is larger (the receive runs after the send in one block).
+ * Shared memory of a kernels-2 dispatch launch running `run` (EPX_LL_RUN_*): the send
+ * part (8-byte items first: the chunk's destinations [2][C*k]; then int32: the routing
+ * cache, hist, before, base, put_first [E], chunk experts and rows [2][C*k], ok,
+ * rows_block, rows_to, batches_to [R]) and the receive part (int32 from the start:
+ * counts [L][R], first [L][R + 1], rows_before [L + 1], units, failed [R]) share it: the
+ * receive runs after the send in one block.
  */
-EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world)
+EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world, int run)
 {
     size_t entries = (size_t)epx_ll2_chunk_tokens(topk) * (size_t)topk;
     size_t send = 2 * entries * 8 + ((size_t)EPX_LL2_CACHED_ENTRIES + 4 * (size_t)experts +
@@ -243,6 +244,8 @@ EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world
     size_t local = (size_t)experts / (size_t)(world > 0 ? world : 1);
     size_t recv = (local * (size_t)world + local * ((size_t)world + 1) + local + 1 +
                    2 * (size_t)world) * sizeof(int32_t);
+    if (!(run & EPX_LL_RUN_SEND))
+        return recv;
     return send > recv ? send : recv;
 }
 
@@ -260,12 +263,15 @@ EPX_LL_HOST_DEVICE size_t epx_ll2_combine_stage_bytes(int stages)
     return (size_t)(EPX_LL2_THREADS / 32) * (size_t)stages * EPX_LL2_STAGE_ROWS * 32 * 16;
 }
 
-EPX_LL_HOST_DEVICE size_t epx_ll2_combine_smem(int experts, int topk, int world, int stages)
+EPX_LL_HOST_DEVICE size_t epx_ll2_combine_smem(int experts, int topk, int world, int stages,
+                                               int run)
 {
     size_t entries = (size_t)EPX_LL2_ROUTE_TOKENS * (size_t)topk;
     size_t recv = epx_ll2_combine_stage_bytes(stages) + entries * (8 + 4 + 4) +
                   (size_t)EPX_LL2_ROUTE_TOKENS * 4 + (size_t)world * 4;
     size_t send = ((size_t)experts / (size_t)(world > 0 ? world : 1) + 1 + (size_t)world) * 4;
+    if (!(run & EPX_LL_RUN_RECV))
+        return send;
     return recv > send ? recv : send;
 }
 

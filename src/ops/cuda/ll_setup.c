@@ -60,7 +60,8 @@ static int choose_kernels(const epx_buffer_config_t *config, int world)
     if (epx__param_int(EPX_PARAM_LL_KERNELS) != 2)
         return 1;
     if (config->num_topk > EPX_LL2_MAX_TOPK ||
-        epx_ll2_dispatch_smem(config->num_experts, config->num_topk, world) > 48 * 1024)
+        epx_ll2_dispatch_smem(config->num_experts, config->num_topk, world, EPX_LL_RUN_SEND) >
+            48 * 1024)
         return 1;
     return 2;
 }
@@ -194,13 +195,15 @@ static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
                    "buffer_create: shared memory per block");
     s->stages = 3;
     while (s->stages > 1 &&
-           epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages) > (size_t)optin)
+           epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
+                                EPX_LL_RUN_SEND | EPX_LL_RUN_RECV) > (size_t)optin)
         s->stages--;
     int err = ll->plugin->prepare(s);
     if (err != cudaSuccess)
         return EPX_CUDA_ERROR((cudaError_t)err,
                               "buffer_create: low-latency kernels 2: %zu bytes of shared memory",
-                              epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages));
+                              epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
+                                                   EPX_LL_RUN_SEND | EPX_LL_RUN_RECV));
     return EPX_SUCCESS;
 }
 

@@ -372,18 +372,27 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
 } // namespace ll2
 } // namespace epx
 
+/* The combine may use as much shared memory as the device gives a block (a process-wide
+ * attribute: set to the most, so that no buffer's launch needs more than another set). */
 extern "C" int epx_ll2_prepare(const epx_ll_shape_t *s)
 {
-    size_t smem = epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages);
-    cudaError_t err = cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           (int)smem);
+    int device = 0, optin = 0;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err == cudaSuccess && epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
+                                                   EPX_LL_RUN_SEND | EPX_LL_RUN_RECV) > (size_t)optin)
+        err = cudaErrorInvalidValue;
+    if (err == cudaSuccess)
+        err = cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   optin);
     return (int)err;
 }
 
 extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t *op, int run,
                                       void *stream)
 {
-    size_t smem = epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages);
+    size_t smem = epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, run);
     const char *own = s->sym + s->slot[op->slot];
     const int moves = s->use_puts || (const char *)op->x != own + s->combine_in;
     /* A send alone that moves no row is one block's work (flags). */

@@ -587,7 +587,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) dispatch(epx_ll_shape_t s, epx
 extern "C" int epx_ll2_launch_dispatch(const epx_ll_shape_t *s, const epx_ll_op_t *op, int run,
                                        void *stream)
 {
-    size_t smem = epx_ll2_dispatch_smem(s->num_experts, s->topk, s->world);
+    size_t smem = epx_ll2_dispatch_smem(s->num_experts, s->topk, s->world, run);
     int blocks = (run & EPX_LL_RUN_SEND) ? s->blocks : 1;
     epx::ll2::dispatch<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run);
     return (int)cudaGetLastError();
