@@ -160,8 +160,9 @@ typedef struct {
     /* Kernels 2: one launch runs the phases `run` asks for (EPX_LL_RUN_*). */
     int (*dispatch2)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, int run, void *stream);
     int (*combine2)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, int run, void *stream);
-    /* Once per buffer before its first launch (kernel attributes); not stream-ordered. */
-    int (*prepare)(const epx_ll_shape_t *shape);
+    /* Kernels 2, once per buffer before its first launch (not stream-ordered): sets
+     * shape->stages to what the device's shared memory holds, and the kernel attribute. */
+    int (*prepare)(epx_ll_shape_t *shape);
 } epx_ll_plugin_t;
 
 typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);

@@ -61,7 +61,7 @@ static int choose_kernels(const epx_buffer_config_t *config, int world)
         return 1;
     if (config->num_topk > EPX_LL2_MAX_TOPK ||
         epx_ll2_dispatch_smem(config->num_experts, config->num_topk, world, EPX_LL_RUN_SEND) >
-            48 * 1024)
+            47 * 1024) /* 48 KB without opt-in, less the kernel's static shared memory */
         return 1;
     return 2;
 }
@@ -182,28 +182,16 @@ void epx__cuda_nvshmem_release(int healthy)
     epx__nvshmem_user_end(healthy);
 }
 
-/*
- * Kernels 2: the combine receive's copy stages, as many (up to 3) as the device's shared
- * memory per block holds, and the kernel attribute that lets it use that much.
- */
+/* Kernels 2: the combine receive's copy stages and its shared memory (the plugin's). */
 static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
 {
     epx_ll_shape_t *s = &ll->shape;
-    int device = 0, optin = 0;
-    EPX_CUDA_CHECK(cudaGetDevice(&device), "buffer_create: cudaGetDevice");
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
-                   "buffer_create: shared memory per block");
-    s->stages = 3;
-    while (s->stages > 1 &&
-           epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
-                                EPX_LL_RUN_SEND | EPX_LL_RUN_RECV) > (size_t)optin)
-        s->stages--;
     int err = ll->plugin->prepare(s);
     if (err != cudaSuccess)
         return EPX_CUDA_ERROR((cudaError_t)err,
-                              "buffer_create: low-latency kernels 2: %zu bytes of shared memory",
-                              epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
-                                                   EPX_LL_RUN_SEND | EPX_LL_RUN_RECV));
+                              "buffer_create: low-latency kernels 2: shared memory for the "
+                              "combine (%d experts, top-%d, %d ranks)",
+                              s->num_experts, s->topk, s->world);
     return EPX_SUCCESS;
 }
 

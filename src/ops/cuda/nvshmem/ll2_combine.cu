@@ -372,21 +372,33 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
 } // namespace ll2
 } // namespace epx
 
-/* The combine may use as much shared memory as the device gives a block (a process-wide
- * attribute: set to the most, so that no buffer's launch needs more than another set). */
-extern "C" int epx_ll2_prepare(const epx_ll_shape_t *s)
+/*
+ * The combine receive's copy stages: as many (up to 3) as the device's shared memory per
+ * block holds beside the kernel's static shared memory, and the attribute that lets the
+ * kernel use it (process-wide: set to the most the device allows, so that no buffer's
+ * launch needs more than another buffer set).
+ */
+extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
 {
     int device = 0, optin = 0;
+    cudaFuncAttributes attributes;
     cudaError_t err = cudaGetDevice(&device);
     if (err == cudaSuccess)
         err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    if (err == cudaSuccess && epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages,
-                                                   EPX_LL_RUN_SEND | EPX_LL_RUN_RECV) > (size_t)optin)
-        err = cudaErrorInvalidValue;
     if (err == cudaSuccess)
-        err = cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   optin);
-    return (int)err;
+        err = cudaFuncGetAttributes(&attributes, epx::ll2::combine);
+    if (err != cudaSuccess)
+        return (int)err;
+    const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
+    const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
+    s->stages = 3;
+    while (s->stages > 1 &&
+           epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
+        s->stages--;
+    if (epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
+        return (int)cudaErrorInvalidValue;
+    return (int)cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)dynamic);
 }
 
 extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t *op, int run,

@@ -13,7 +13,7 @@ extern "C" int epx_ll_launch_combine_send(const epx_ll_shape_t *, const epx_ll_o
 extern "C" int epx_ll_launch_combine_recv(const epx_ll_shape_t *, const epx_ll_op_t *, void *);
 extern "C" int epx_ll2_launch_dispatch(const epx_ll_shape_t *, const epx_ll_op_t *, int, void *);
 extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *, const epx_ll_op_t *, int, void *);
-extern "C" int epx_ll2_prepare(const epx_ll_shape_t *);
+extern "C" int epx_ll2_prepare(epx_ll_shape_t *);
 extern "C" int epx_xn_launch_notify(const epx__cuda_shape_t *, const epx__cuda_notify_args_t *,
                                     void *);
 extern "C" int epx_xn_launch_dispatch(const epx__cuda_shape_t *,
