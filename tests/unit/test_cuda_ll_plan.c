@@ -3,9 +3,11 @@
  * GPU: every region of the symmetric heap and of the local memory aligned, in order,
  * not overlapping and large enough (rows sized by low_latency_dtype, the puts' staging
  * only across nodes); both slots alike; what epx_buffer_size adds for it; the standard
- * case's size; the configs it refuses, each naming why.
+ * case's size; the configs it refuses, each naming why. All of it for both generations
+ * of kernels (EPX_LL_KERNELS=1 and 2; kernels 2 fall back to 1 above 32 top-k entries).
  */
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "test_util.h"
 
@@ -53,6 +55,17 @@ static size_t check_regions(const region_t *regions, size_t count)
     return end;
 }
 
+/* EPX_LL_KERNELS for the plans that follow. */
+static int kernels = 1;
+
+static void use_kernels(int which)
+{
+    setenv("EPX_LL_KERNELS", which == 2 ? "2" : "1", 1);
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
+    kernels = which;
+}
+
 static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int experts, int topk,
                        epx_dtype_t dtype)
 {
@@ -73,21 +86,32 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
     CHECK_EQ_INT(s.may_put, (int)puts);
     CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
     CHECK_EQ_INT(s.blocks, 16);
+    CHECK_EQ_INT(s.kernels, kernels == 2 && topk <= 32 ? 2 : 1);
+    size_t two = s.kernels == 2, one = 1 - two, E = (size_t)experts, k = (size_t)topk;
 
     /* Symmetric heap: the flags, then two slots with the same inner layout; the cells
-     * are the dispatch results (packed in place), one row each; the puts' staging only
-     * when a peer may need puts. */
+     * are the dispatch results (packed in place, or placed there by kernels 2), one row
+     * each; the puts' staging only when a peer may need puts; kernels 2's count exchange
+     * and arrival counters. */
     region_t slot_regions[] = {
-        {s.sent_count, L * (size_t)world * 4},
+        {s.sent_count, one * L * (size_t)world * 4},
         {s.recv_x, cells * row},
         {s.recv_scales, cells * S * 4},
         {s.recv_src_info, cells * 4},
         {s.recv_topk, cells * 4},
         {s.recv_range, L * (size_t)world * 8},
         {s.combine_in, L * rows * H * 2},
-        {s.combine_stage, puts * (size_t)m * (size_t)topk * H * 2},
-        {s.send_x, puts * (size_t)m * row},
-        {s.send_scales, puts * (size_t)m * S * 4},
+        {s.combine_stage, puts * (size_t)m * k * H * 2},
+        {s.send_x, one * puts * (size_t)m * row},
+        {s.send_scales, one * puts * (size_t)m * S * 4},
+        {s.counts, two * (size_t)world * (E + 1) * 8},
+        {s.arrival, two * (size_t)world * 8},
+        {s.combine_arrival, two * (size_t)world * 8},
+        {s.count_stage, two * puts * (size_t)world * (E + 1) * 8},
+        {s.put_x, two * puts * (size_t)m * k * row},
+        {s.put_scales, two * puts * (size_t)m * k * S * 4},
+        {s.put_src, two * puts * (size_t)m * k * 4},
+        {s.put_topk, two * puts * (size_t)m * k * 4},
     };
     size_t slot_bytes = check_regions(slot_regions, sizeof(slot_regions) / sizeof(slot_regions[0]));
     region_t heap[] = {
@@ -104,11 +128,14 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
         {s.recv_count, L * 4},
         {s.recv_src_rank, L * rows * 4},
         {s.send_pos, (size_t)m * (size_t)topk * 4},
+        {s.sent_rows, two * (size_t)world * 4},
     };
     size_t results = check_regions(local_regions, sizeof(local_regions) / sizeof(local_regions[0]));
     CHECK(s.local_slot_bytes >= results);
     CHECK_EQ_INT(s.local_slot_bytes % 256, 0);
-    size_t state = 6 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8;
+    /* seq, released, arrive, mask + claim, peers, then arrived and combine_arrived. */
+    size_t state = 6 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8 +
+                   4 * (size_t)world * 8;
     CHECK(local >= 2 * s.local_slot_bytes + state);
 
     /* epx_buffer_size counts it on top of normal mode's part (checked here on one node;
@@ -161,14 +188,20 @@ static void check_refusals(void)
 
 int main(void)
 {
-    check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_BF16);
-    check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3);
-    check_plan(8, 2, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3); /* two nodes: puts reserved */
-    check_plan(1, 1, 1, 8, 1, 1, EPX_DTYPE_BF16);
-    check_plan(3, 1, 7, 136, 9, 9, EPX_DTYPE_BF16); /* hidden not a multiple of 128: no scales; topk = E */
-    check_plan(2, 2, 33, 1024, 64, 40, EPX_DTYPE_BF16); /* more than 32 top-k entries */
-    check_standard_case();
-    check_refusals();
+    for (int which = 1; which <= 2; which++) {
+        use_kernels(which);
+        check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_BF16);
+        check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3);
+        check_plan(8, 2, 128, 7168, 256, 8, EPX_DTYPE_FP8_E4M3); /* two nodes: puts reserved */
+        check_plan(8, 2, 128, 7168, 256, 8, EPX_DTYPE_BF16);
+        check_plan(1, 1, 1, 8, 1, 1, EPX_DTYPE_BF16);
+        check_plan(3, 1, 7, 136, 9, 9, EPX_DTYPE_BF16); /* hidden not a multiple of 128: no scales; topk = E */
+        check_plan(2, 2, 33, 1024, 64, 40, EPX_DTYPE_BF16); /* more than 32 top-k entries */
+        check_standard_case();
+        check_refusals();
+    }
+    unsetenv("EPX_LL_KERNELS");
+    epx__params_reset();
     printf("test_cuda_ll_plan: ok\n");
     return 0;
 }

@@ -17,6 +17,9 @@ typedef struct {
     int64_t tokens;
     int32_t *recv_stats; /* the dispatch's cumulative_local_expert_recv_stats, or NULL */
     epx_ll_op_t combine; /* what the combine's receive needs */
+    /* Kernels 2: the send's launch also received (a call without EPX_LL_SEND_ONLY), so
+     * the backend's receive entry has nothing left to launch. */
+    int dispatch_received, combine_received;
 } epx__cuda_ll_slot_t;
 
 typedef struct epx__cuda_ll {

@@ -55,7 +55,18 @@ epx_status_t epx__cuda_ll_dispatch(epx_buffer_t buffer, int slot, const epx_ll_d
     ll->slots[slot].use_ue8m0 = args->use_ue8m0;
     ll->slots[slot].tokens = op.tokens;
     ll->slots[slot].recv_stats = args->cumulative_local_expert_recv_stats.data;
-    EPX_CHECK(launched(ll->plugin->dispatch_send(&ll->shape, &op, stream), "ll_dispatch"));
+    if (ll->shape.kernels == 2) {
+        /* A whole call is one launch: the send, then block 0 receives. */
+        int whole = !(args->flags & EPX_LL_SEND_ONLY);
+        op.recv_stats = ll->slots[slot].recv_stats;
+        ll->slots[slot].dispatch_received = whole;
+        EPX_CHECK(launched(ll->plugin->dispatch2(&ll->shape, &op,
+                                                 EPX_LL_RUN_SEND | (whole ? EPX_LL_RUN_RECV : 0),
+                                                 stream),
+                           "ll_dispatch"));
+    } else {
+        EPX_CHECK(launched(ll->plugin->dispatch_send(&ll->shape, &op, stream), "ll_dispatch"));
+    }
     dispatch_views(buffer, ll, slot, args, result);
     return EPX_SUCCESS;
 }
@@ -70,6 +81,14 @@ epx_status_t epx__cuda_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     op.use_fp8 = ll->slots[slot].use_fp8;
     op.use_ue8m0 = ll->slots[slot].use_ue8m0;
     op.recv_stats = ll->slots[slot].recv_stats;
+    if (ll->shape.kernels == 2) {
+        if (ll->slots[slot].dispatch_received) {
+            ll->slots[slot].dispatch_received = 0;
+            return EPX_SUCCESS;
+        }
+        return launched(ll->plugin->dispatch2(&ll->shape, &op, EPX_LL_RUN_RECV, stream),
+                        "ll_dispatch (receive)");
+    }
     return launched(ll->plugin->dispatch_recv(&ll->shape, &op, stream), "ll_dispatch (receive)");
 }
 
@@ -88,6 +107,14 @@ epx_status_t epx__cuda_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_co
     op->weight_stride = epx__tensor_row_stride(&args->topk_weights);
     op->out = args->out.data;
     op->out_stride = epx__tensor_row_stride(&args->out);
+    if (ll->shape.kernels == 2) {
+        int whole = !(args->flags & EPX_LL_SEND_ONLY);
+        ll->slots[slot].combine_received = whole;
+        return launched(ll->plugin->combine2(&ll->shape, op,
+                                             EPX_LL_RUN_SEND | (whole ? EPX_LL_RUN_RECV : 0),
+                                             stream),
+                        "ll_combine");
+    }
     return launched(ll->plugin->combine_send(&ll->shape, op, stream), "ll_combine");
 }
 
@@ -97,6 +124,15 @@ epx_status_t epx__cuda_ll_combine_receive(epx_buffer_t buffer, int slot,
     epx__cuda_ll_t *ll = ll_of(buffer);
     if (result != NULL)
         result->num_masked_entries = -1;
+    if (ll->shape.kernels == 2) {
+        if (ll->slots[slot].combine_received) {
+            ll->slots[slot].combine_received = 0;
+            return EPX_SUCCESS;
+        }
+        return launched(ll->plugin->combine2(&ll->shape, &ll->slots[slot].combine,
+                                             EPX_LL_RUN_RECV, stream),
+                        "ll_combine (receive)");
+    }
     return launched(ll->plugin->combine_recv(&ll->shape, &ll->slots[slot].combine, stream),
                     "ll_combine (receive)");
 }
@@ -139,6 +175,8 @@ static const char *ll_stage_name(int stage)
         return "ll_combine (waiting for home ranks to release the slot)";
     case EPX_LL_STAGE_COMBINE:
         return "ll_combine (waiting for expert outputs)";
+    case EPX_LL_STAGE_DISPATCH_COUNTS:
+        return "ll_dispatch (waiting for peers' row counts)";
     default:
         return "a low-latency operation";
     }

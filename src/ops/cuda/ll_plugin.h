@@ -38,6 +38,20 @@
  * Because peers write a slot's dispatch results directly, a rank gives a slot back
  * ("released", DISPATCH_DONE flags) only once it is done with them: when it sends the
  * step's combine, or else when it dispatches into that slot again.
+ *
+ * Kernels 2 (EPX_LL_KERNELS=2, src/ops/cuda/nvshmem/ll2_*.cu) place every row once, at
+ * its packed place: recv_x, recv_scales, recv_src_info and recv_topk are indexed by the
+ * packed row e * M * R + j directly (the same arrays, no cells), and per slot they add
+ *   symmetric: counts uint64 [R sources][E + 1] (tagged words: the count exchange),
+ *              arrival uint64 [R] (dispatch units that arrived from each source) and
+ *              combine_arrival uint64 [R] (combine rows pushed by each expert rank), both
+ *              cumulative and never cleared; when puts may be needed, count_stage uint64
+ *              [R][E + 1] and the rows staged for puts in the receivers' order, put_x
+ *              [M * k][row], put_scales [M * k][S], put_src and put_topk int32 [M * k]
+ *              (instead of send_x / send_scales, and no sent_count);
+ *   device:    per slot sent_rows int32 [R] (rows this rank sent each rank: what a combine
+ *              pushes back); state arrived and combine_arrived uint64 [2 slots][R] (how
+ *              far this rank has counted each peer's arrival counters).
  */
 #ifndef EPX_OPS_CUDA_LL_PLUGIN_H
 #define EPX_OPS_CUDA_LL_PLUGIN_H
@@ -51,7 +65,7 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 5
+#define EPX_LL_PLUGIN_ABI 6
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
@@ -62,8 +76,12 @@ enum {
     EPX_LL_STAGE_DISPATCH_RELEASE = 1, /* dispatch send: receivers releasing the slot */
     EPX_LL_STAGE_DISPATCH = 2,         /* dispatch receive: tokens */
     EPX_LL_STAGE_COMBINE_RELEASE = 3,  /* combine send: home ranks releasing the slot */
-    EPX_LL_STAGE_COMBINE = 4           /* combine receive: expert outputs */
+    EPX_LL_STAGE_COMBINE = 4,          /* combine receive: expert outputs */
+    EPX_LL_STAGE_DISPATCH_COUNTS = 5   /* dispatch (kernels 2): the peers' row counts */
 };
+
+/* Which phases a kernels-2 launch runs (both: a call without EPX_LL_SEND_ONLY). */
+enum { EPX_LL_RUN_SEND = 1, EPX_LL_RUN_RECV = 2 };
 
 /* Written by a kernel (code last) the first time a wait gives up; read by the host. */
 typedef struct {
@@ -77,6 +95,8 @@ typedef struct {
 typedef struct {
     int rank, world, num_local, num_experts, topk;
     int blocks;       /* the SM budget: grid size of every kernel */
+    int kernels;      /* 1: cells packed by the receive; 2: rows placed once (ll2_*.cu) */
+    int stages;       /* kernels 2: the combine receive's copy stages (shared memory) */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
     int may_put;      /* the plan reserved memory for puts (groups across nodes, or forced) */
     int64_t hidden, max_tokens, rows, scale_cols; /* rows = M * R */
@@ -89,14 +109,19 @@ typedef struct {
     size_t slot[2];
     size_t sent_count, recv_x, recv_scales, recv_src_info, recv_topk, recv_range, combine_in;
     size_t combine_stage, send_x, send_scales; /* empty unless puts may be needed */
+    size_t counts, arrival, combine_arrival;   /* kernels 2 */
+    size_t count_stage, put_x, put_scales, put_src, put_topk; /* kernels 2, puts only */
     /* device memory */
     char *local[2];
     size_t recv_count, recv_src_rank, send_pos;
+    size_t sent_rows; /* kernels 2 */
     size_t local_slot_bytes;
     uint64_t *seq;      /* [2 slots][2] */
     uint64_t *released; /* [2 slots] */
     uint32_t *arrive;   /* [2 slots][4] */
     int32_t *mask;      /* [R] */
+    uint64_t *arrived;         /* kernels 2: [2 slots][R] */
+    uint64_t *combine_arrived; /* kernels 2: [2 slots][R] */
     epx_ll_fail_t *fail; /* device address of the host-mapped record */
 } epx_ll_shape_t;
 
@@ -132,6 +157,12 @@ typedef struct {
                        void *stream);
     int (*xn_combine)(const epx__cuda_shape_t *shape, const epx__cuda_combine_args_t *args,
                       void *stream);
+    /* Kernels 2: one launch runs the phases `run` asks for (EPX_LL_RUN_*). */
+    int (*dispatch2)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, int run, void *stream);
+    int (*combine2)(const epx_ll_shape_t *shape, const epx_ll_op_t *op, int run, void *stream);
+    /* Kernels 2, once per buffer before its first launch (not stream-ordered): sets
+     * shape->stages to what the device's shared memory holds, and the kernel attribute. */
+    int (*prepare)(epx_ll_shape_t *shape);
 } epx_ll_plugin_t;
 
 typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);
@@ -178,6 +209,71 @@ EPX_LL_HOST_DEVICE size_t epx_ll_send_smem(int experts, int topk, int world, int
 EPX_LL_HOST_DEVICE size_t epx_ll_recv_smem(int local, int world)
 {
     return ((size_t)world + (size_t)local * ((size_t)world + 2) + 1) * sizeof(int32_t);
+}
+
+/* ---------------------------------------------------------------- kernels 2 */
+
+/* Kernels 2 serve num_topk up to this (the combine's routing groups); else kernels 1. */
+#define EPX_LL2_MAX_TOPK 32
+/* Routing entries the kernels-2 dispatch send caches in shared memory (else read in place). */
+#define EPX_LL2_CACHED_ENTRIES 2048
+/* Tokens of a combine receive's routing batch (their entries live in shared memory). */
+#define EPX_LL2_ROUTE_TOKENS 32
+/* Rows a combine receive lane copies per pipeline stage (16 bytes of each). */
+#define EPX_LL2_STAGE_ROWS 8
+
+/* Tokens a kernels-2 send block places at a time. */
+EPX_LL_HOST_DEVICE int epx_ll2_chunk_tokens(int topk)
+{
+    int c = 512 / topk;
+    return c < 1 ? 1 : (c > 32 ? 32 : c);
+}
+
+/*
+ * Shared memory of a kernels-2 dispatch launch running `run` (EPX_LL_RUN_*): the send
+ * part (8-byte items first: the chunk's destinations [2][C*k]; then int32: the routing
+ * cache, hist, before, base, put_first [E], chunk experts and rows [2][C*k], ok,
+ * rows_block, rows_to, batches_to [R]) and the receive part (int32 from the start:
+ * counts [L][R], first [L][R + 1], rows_before [L + 1], units, failed [R]) share it: the
+ * receive runs after the send in one block.
+ */
+EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world, int run)
+{
+    size_t entries = (size_t)epx_ll2_chunk_tokens(topk) * (size_t)topk;
+    size_t send = 2 * entries * 8 + ((size_t)EPX_LL2_CACHED_ENTRIES + 4 * (size_t)experts +
+                                     2 * entries + 4 * (size_t)world) * sizeof(int32_t);
+    size_t local = (size_t)experts / (size_t)(world > 0 ? world : 1);
+    size_t recv = (local * (size_t)world + local * ((size_t)world + 1) + local + 1 +
+                   2 * (size_t)world) * sizeof(int32_t);
+    if (!(run & EPX_LL_RUN_SEND))
+        return recv;
+    return send > recv ? send : recv;
+}
+
+/* Threads of a kernels-2 block (the kernels' launch bounds; ll2_device.cuh). */
+#define EPX_LL2_THREADS 512
+
+/*
+ * Shared memory of the kernels-2 combine: the receive's copy stages ([warps][stages]
+ * [EPX_LL2_STAGE_ROWS][32 lanes] of 16 bytes), then one routing batch (row addresses
+ * uint64, experts int32 and weights float per entry; valid entries int32 per token), then
+ * ok [R]; the send part's expert_first [L + 1] reuses the start.
+ */
+EPX_LL_HOST_DEVICE size_t epx_ll2_combine_stage_bytes(int stages)
+{
+    return (size_t)(EPX_LL2_THREADS / 32) * (size_t)stages * EPX_LL2_STAGE_ROWS * 32 * 16;
+}
+
+EPX_LL_HOST_DEVICE size_t epx_ll2_combine_smem(int experts, int topk, int world, int stages,
+                                               int run)
+{
+    size_t entries = (size_t)EPX_LL2_ROUTE_TOKENS * (size_t)topk;
+    size_t recv = epx_ll2_combine_stage_bytes(stages) + entries * (8 + 4 + 4) +
+                  (size_t)EPX_LL2_ROUTE_TOKENS * 4 + (size_t)world * 4;
+    size_t send = ((size_t)experts / (size_t)(world > 0 ? world : 1) + 1 + (size_t)world) * 4;
+    if (!(run & EPX_LL_RUN_RECV))
+        return send;
+    return recv > send ? recv : send;
 }
 
 #ifdef __cplusplus

@@ -34,10 +34,11 @@ static size_t take(size_t *offset, size_t bytes)
 /*
  * The device state after the two result slots (offsets from its start): seq [2][2] and
  * released [2] uint64, arrive [2][4] uint32, mask [R + 1] int32 (the last word claims the
- * failure record), the peer table [R] pointers.
+ * failure record), the peer table [R] pointers, then (kernels 2; always laid out) arrived
+ * and combine_arrived [2][R] uint64.
  */
 typedef struct {
-    size_t released, arrive, mask, peers, bytes;
+    size_t released, arrive, mask, peers, arrived, combine_arrived, bytes;
 } state_layout_t;
 
 static state_layout_t state_layout(int world)
@@ -47,8 +48,22 @@ static state_layout_t state_layout(int world)
     l.arrive = l.released + 2 * sizeof(uint64_t);
     l.mask = l.arrive + 8 * sizeof(uint32_t);
     l.peers = l.mask + (((size_t)world + 1) * sizeof(int32_t) + 7) / 8 * 8;
-    l.bytes = l.peers + (size_t)world * sizeof(char *);
+    l.arrived = l.peers + (size_t)world * sizeof(char *);
+    l.combine_arrived = l.arrived + 2 * (size_t)world * sizeof(uint64_t);
+    l.bytes = l.combine_arrived + 2 * (size_t)world * sizeof(uint64_t);
     return l;
+}
+
+/* Kernels 2 for this config when EPX_LL_KERNELS asks for them and they serve its shape. */
+static int choose_kernels(const epx_buffer_config_t *config, int world)
+{
+    if (epx__param_int(EPX_PARAM_LL_KERNELS) != 2)
+        return 1;
+    if (config->num_topk > EPX_LL2_MAX_TOPK ||
+        epx_ll2_dispatch_smem(config->num_experts, config->num_topk, world, EPX_LL_RUN_SEND) >
+            47 * 1024) /* 48 KB without opt-in, less the kernel's static shared memory */
+        return 1;
+    return 2;
 }
 
 epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *config,
@@ -90,14 +105,19 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     /* Puts (and their staging memory) only where some peer may lack a direct pointer. */
     s->may_put = group->ranks_per_node < R || epx__param_int(EPX_PARAM_LL_FORCE_PUTS) != 0;
 
+    s->kernels = choose_kernels(config, R);
+
     size_t L = (size_t)s->num_local, rows = (size_t)s->rows, S = (size_t)s->scale_cols;
     size_t cells = L * (size_t)R * (size_t)m, k = (size_t)s->topk, H = (size_t)s->hidden;
+    size_t E = (size_t)s->num_experts;
     size_t puts = s->may_put ? 1 : 0;
+    /* What only one generation of kernels uses (the other's regions are empty). */
+    size_t one = s->kernels == 1 ? 1 : 0, two = 1 - one;
     /* Symmetric: flags, then two slots with the same inner offsets. */
     size_t sym = 0;
     s->flags = take(&sym, 4 * 2 * (size_t)R * sizeof(uint64_t));
     size_t in_slot = 0;
-    s->sent_count = take(&in_slot, L * (size_t)R * sizeof(int32_t));
+    s->sent_count = take(&in_slot, one * L * (size_t)R * sizeof(int32_t));
     s->recv_x = take(&in_slot, cells * s->x_row_bytes);
     s->recv_scales = take(&in_slot, cells * S * sizeof(float));
     s->recv_src_info = take(&in_slot, cells * sizeof(int32_t));
@@ -105,8 +125,16 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->recv_range = take(&in_slot, L * (size_t)R * sizeof(int64_t));
     s->combine_in = take(&in_slot, L * rows * H * 2);
     s->combine_stage = take(&in_slot, puts * (size_t)m * k * H * 2);
-    s->send_x = take(&in_slot, puts * (size_t)m * s->x_row_bytes);
-    s->send_scales = take(&in_slot, puts * (size_t)m * S * sizeof(float));
+    s->send_x = take(&in_slot, one * puts * (size_t)m * s->x_row_bytes);
+    s->send_scales = take(&in_slot, one * puts * (size_t)m * S * sizeof(float));
+    s->counts = take(&in_slot, two * (size_t)R * (E + 1) * sizeof(uint64_t));
+    s->arrival = take(&in_slot, two * (size_t)R * sizeof(uint64_t));
+    s->combine_arrival = take(&in_slot, two * (size_t)R * sizeof(uint64_t));
+    s->count_stage = take(&in_slot, two * puts * (size_t)R * (E + 1) * sizeof(uint64_t));
+    s->put_x = take(&in_slot, two * puts * (size_t)m * k * s->x_row_bytes);
+    s->put_scales = take(&in_slot, two * puts * (size_t)m * k * S * sizeof(float));
+    s->put_src = take(&in_slot, two * puts * (size_t)m * k * sizeof(int32_t));
+    s->put_topk = take(&in_slot, two * puts * (size_t)m * k * sizeof(int32_t));
     s->slot[0] = take(&sym, in_slot);
     s->slot[1] = take(&sym, in_slot);
     /* Local: two slots of bookkeeping, then the state. */
@@ -114,6 +142,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->recv_count = take(&local_slot, L * sizeof(int32_t));
     s->recv_src_rank = take(&local_slot, L * rows * sizeof(int32_t));
     s->send_pos = take(&local_slot, (size_t)m * k * sizeof(int32_t));
+    s->sent_rows = take(&local_slot, two * (size_t)R * sizeof(int32_t));
     s->local_slot_bytes = local_slot;
     *sym_bytes = sym;
     *local_bytes = align_up(2 * local_slot + state_layout(R).bytes);
@@ -153,6 +182,19 @@ void epx__cuda_nvshmem_release(int healthy)
     epx__nvshmem_user_end(healthy);
 }
 
+/* Kernels 2: the combine receive's copy stages and its shared memory (the plugin's). */
+static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
+{
+    epx_ll_shape_t *s = &ll->shape;
+    int err = ll->plugin->prepare(s);
+    if (err != cudaSuccess)
+        return EPX_CUDA_ERROR((cudaError_t)err,
+                              "buffer_create: low-latency kernels 2: shared memory for the "
+                              "combine (%d experts, top-%d, %d ranks)",
+                              s->num_experts, s->topk, s->world);
+    return EPX_SUCCESS;
+}
+
 /* Device memory, the peer table and the failure record; zeroes everything. */
 static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
 {
@@ -179,6 +221,8 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     s->released = (uint64_t *)(state + layout.released);
     s->arrive = (uint32_t *)(state + layout.arrive);
     s->mask = (int32_t *)(state + layout.mask);
+    s->arrived = (uint64_t *)(state + layout.arrived);
+    s->combine_arrived = (uint64_t *)(state + layout.combine_arrived);
     char **peer_table = (char **)(state + layout.peers);
     s->peer = (char *const *)peer_table;
     s->sym = ll->sym;
@@ -216,11 +260,18 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     free(peers);
     EPX_CUDA_CHECK(err, "buffer_create: copying the peer table");
     EPX_CUDA_CHECK(cudaDeviceSynchronize(), "buffer_create: initialising low-latency memory");
+    if (s->kernels == 2)
+        EPX_CHECK(prepare_kernels2(ll));
+    else if (epx__param_int(EPX_PARAM_LL_KERNELS) == 2)
+        EPX_INFO(EPX_SUBSYS_OPS,
+                 "low-latency: EPX_LL_KERNELS=2 asked for, but kernels 2 serve num_topk <= %d "
+                 "and up to about 2000 experts (config: %d, %d): kernels 1",
+                 EPX_LL2_MAX_TOPK, s->topk, s->num_experts);
     EPX_INFO(EPX_SUBSYS_TRANSPORT,
              "low-latency: %.1f MB symmetric + %.1f MB local per rank, %d of %d ranks by direct "
-             "stores, %s",
+             "stores, %s, kernels %d",
              (double)ll->sym_bytes / 1e6, (double)ll->local_bytes / 1e6, direct, R,
-             s->use_puts ? "NVSHMEM puts to the rest" : "no puts");
+             s->use_puts ? "NVSHMEM puts to the rest" : "no puts", s->kernels);
     return EPX_SUCCESS;
 }
 

@@ -23,6 +23,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include "ops/cuda/nvshmem/ll_cast.cuh"
 #include "ops/cuda/nvshmem/ll_device.cuh"
 
 /* Count, per expert, the tokens in [begin, end) that send it a row. */
@@ -37,47 +38,6 @@ __device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, in
         if (e >= 0 && !epx_ll_seen_before(idx, j, e))
             atomicAdd(&hist[e], 1);
     }
-}
-
-/* fp8 e4m3 of 16 bf16 channels (this lane's) with the 8-lane group's scale. */
-__device__ __forceinline__ int4 epx_ll_cast16(const int4 lo, const int4 hi, int round_scale,
-                                              float *scale_out)
-{
-    __nv_bfloat16 v[16];
-    *reinterpret_cast<int4 *>(&v[0]) = lo;
-    *reinterpret_cast<int4 *>(&v[8]) = hi;
-    float f[16], amax = 0.0f;
-    for (int i = 0; i < 16; i++) {
-        f[i] = __bfloat162float(v[i]);
-        amax = fmaxf(amax, fabsf(f[i]));
-    }
-    /* The 8 lanes of a 128-channel group share one amax. */
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
-    amax = amax > 1e-4f ? amax : 1e-4f;
-    float scale, multiplier;
-    if (round_scale) {
-        int exponent;
-        float fraction = frexpf(__fdiv_rn(amax, EPX__FP8_E4M3_MAX), &exponent);
-        if (fraction == 0.5f)
-            exponent -= 1;
-        scale = ldexpf(1.0f, exponent);
-        multiplier = ldexpf(1.0f, -exponent);
-    } else {
-        scale = __fdiv_rn(amax, EPX__FP8_E4M3_MAX);
-        multiplier = __fdiv_rn(EPX__FP8_E4M3_MAX, amax);
-    }
-    *scale_out = scale;
-    /* Two channels per conversion (the first in the low byte): the same bits as one at
-     * a time, half the instructions. */
-    int4 out;
-    unsigned short *pairs = reinterpret_cast<unsigned short *>(&out);
-    for (int i = 0; i < 16; i += 2)
-        pairs[i / 2] = __nv_cvt_float2_to_fp8x2(
-            make_float2(__fmul_rn(f[i], multiplier), __fmul_rn(f[i + 1], multiplier)),
-            __NV_SATFINITE, __NV_E4M3);
-    return out;
 }
 
 /* This lane's bf16 input of send item `item` (token c0 + item / chunks): 16 bytes, or 32

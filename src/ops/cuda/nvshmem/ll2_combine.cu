@@ -1,0 +1,415 @@
+/*
+ * Kernels 2 of the low-latency combine (EPX_LL_KERNELS=2; docs/LOW_LATENCY.md, "Kernels
+ * 2"; src/ops/host/host_ll_combine.c is the oracle they match).
+ *
+ * What moves: out[t] = bf16(sum over j of w_j * y(t, e_j)), fp32 __fmul_rn / __fadd_rn
+ * in top-k order. Each home rank pulls the expert outputs of its tokens where the expert
+ * ranks wrote them (the zero-copy combine input [local expert][packed row]; the packed
+ * row is what the kernels-2 dispatch placed the row at, kept in send_pos), except from
+ * ranks reached only by NVSHMEM puts (other nodes, or EPX_LL_FORCE_PUTS): those push each
+ * row into the home rank's combine staging [token][top-k position], one put-with-signal
+ * per row adding 1 to the home rank's combine arrival counter for that expert rank.
+ *
+ * Send: wait until the home ranks released this slot's previous combine, then
+ *   - x already in the combine input, no pushes (the usual case): one block raises the
+ *     "outputs ready" flags and gives the step's dispatch results back, nothing else
+ *     (the host launches a single block for a send alone);
+ *   - otherwise the grid's warps copy x into the combine input (x elsewhere) and push the
+ *     rows of homes reached by puts; the last block raises the flags of the pulling homes
+ *     and gives the dispatch results back.
+ * Receive (grid; each block a contiguous range of tokens, in batches of
+ *   EPX_LL2_ROUTE_TOKENS): the batch's routing goes to shared memory first (row address
+ *   and weight of each valid entry, in top-k order; the first batch's before the waits),
+ *   then each warp streams (token, 256-channel chunk) units through a ring of `stages`
+ *   cp.async stages of up to 8 rows x 16 bytes per lane, so several units' loads are in
+ *   flight while one is summed. The last block (a GPU-scope counter; the releases after
+ *   it are cumulative) tells the expert ranks their slot is free.
+ * A call without EPX_LL_SEND_ONLY runs both in one launch (block 0 sends first; the last
+ * block of the receive advances the sequence number).
+ * Bounds: shared memory epx_ll2_combine_smem (ll_plugin.h; above 48 KB, set by prepare).
+ */
+#include <cuda_bf16.h>
+
+#include "ops/cuda/nvshmem/ll2_device.cuh"
+
+namespace {
+
+/*
+ * The send. Called by every block of the launch; blocks other than 0 return at once
+ * when no row moves. Updates the sequence number unless `fused` (then the receive does).
+ */
+__device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused)
+{
+    extern __shared__ __align__(16) char smem[];
+    __shared__ int last;
+    const int R = s.world, L = s.num_local, k = s.topk, slot = op.slot;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int32_t *ok = reinterpret_cast<int32_t *>(smem);  /* [R] */
+    int32_t *expert_first = ok + R;                   /* [L + 1] */
+    const size_t slot_base = s.slot[slot], row_bytes = (size_t)s.hidden * 2;
+    char *own = s.sym + slot_base;
+    const char *x = reinterpret_cast<const char *>(op.x);
+    const int in_place = x == own + s.combine_in;
+    const int moves = s.use_puts || !in_place;
+    if (!moves && blockIdx.x != 0)
+        return;
+    epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE_DONE, slot, seq - 1, EPX_LL_STAGE_COMBINE_RELEASE, ok);
+
+    if (!moves || in_place) {
+        /* The outputs are in place already (written by earlier kernels of this stream):
+         * the pulling homes may read them now. */
+        if (blockIdx.x == 0) {
+            for (int r = threadIdx.x; r < R; r += blockDim.x) {
+                if (ok[r] && s.peer[r] != NULL) {
+                    __threadfence_system();
+                    epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
+                }
+            }
+        }
+        if (!moves) {
+            epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
+            if (!fused && threadIdx.x == 0)
+                s.seq[slot * 2 + 1] = seq;
+            return;
+        }
+    }
+
+    /* Rows move: the grid's warps share every received row. */
+    if (warp == 0) {
+        const int32_t *recv_count = reinterpret_cast<const int32_t *>(s.local[slot] + s.recv_count);
+        for (int e = lane; e < L; e += 32)
+            expert_first[e] = recv_count[e];
+        __syncwarp();
+        const int32_t total = epx_ll2_warp_scan(expert_first, L, lane);
+        if (lane == 0)
+            expert_first[L] = total;
+    }
+    __syncthreads();
+    const int warps = (int)gridDim.x * EPX_LL_WARPS;
+    const int32_t *src_rank = reinterpret_cast<const int32_t *>(s.local[slot] + s.recv_src_rank);
+    for (int g = (int)blockIdx.x * EPX_LL_WARPS + warp; g < expert_first[L]; g += warps) {
+        const int e = epx_ll_find(expert_first, L, g);
+        const int64_t row = (int64_t)e * s.rows + (g - expert_first[e]);
+        const int home = src_rank[row];
+        if (!ok[home])
+            continue;
+        char *stage = own + s.combine_in + (size_t)row * row_bytes;
+        if (!in_place)
+            epx_ll_warp_copy(stage, x + (size_t)row * row_bytes, row_bytes, lane);
+        if (s.peer[home] != NULL)
+            continue; /* pulled by the home rank */
+        __syncwarp();
+        const int64_t token = reinterpret_cast<const int32_t *>(own + s.recv_src_info)[row];
+        const int64_t j = reinterpret_cast<const int32_t *>(own + s.recv_topk)[row];
+        /* One message per row; its signal arrives after its data (NVSHMEM). */
+        nvshmemx_putmem_signal_nbi_warp(own + s.combine_stage + (size_t)(token * k + j) * row_bytes,
+                                        stage, row_bytes,
+                                        reinterpret_cast<uint64_t *>(own + s.combine_arrival) + s.rank,
+                                        1, NVSHMEM_SIGNAL_ADD, home);
+    }
+    /* The copies (system fences in epx_last_block: the pulling homes read them) and the
+     * reads of this slot's dispatch results are done in every block. */
+    if (!epx_last_block(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_SEND, &last))
+        return;
+    if (!in_place) {
+        for (int r = threadIdx.x; r < R; r += blockDim.x)
+            if (ok[r] && s.peer[r] != NULL)
+                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
+    }
+    epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
+    if (!fused && threadIdx.x == 0)
+        s.seq[slot * 2 + 1] = seq;
+}
+
+/* The receive's shared memory: copy stages, then one routing batch, then ok. */
+struct recv_smem_t {
+    int4 *stages;        /* [warps][stages][EPX_LL2_STAGE_ROWS][32] */
+    uint64_t *row;       /* [TC * k] row address of each valid entry (compacted per token) */
+    float *weight;       /* [TC * k] */
+    int32_t *expert;     /* [TC * k] */
+    int32_t *valid;      /* [TC] valid entries per token */
+    int32_t *ok;         /* [R] */
+};
+
+/*
+ * Routing of tokens [b0, b0 + n): every entry's expert and weight, then its row address
+ * (0 when it adds nothing: -1, or its rank masked now). A token sent one row per
+ * distinct expert, at the first top-k position naming it.
+ */
+__device__ void load_routing(const epx_ll_shape_t &s, const epx_ll_op_t &op, const recv_smem_t &m,
+                             int64_t b0, int n)
+{
+    const int k = s.topk, L = s.num_local;
+    const size_t row_bytes = (size_t)s.hidden * 2, slot_base = s.slot[op.slot];
+    for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+        const int64_t t = b0 + i / k;
+        const int j = i % k;
+        m.expert[i] = (int32_t)op.topk_idx[t * op.idx_stride + j];
+        m.weight[i] = op.weights[t * op.weight_stride + j];
+    }
+    __syncthreads();
+    const int32_t *send_pos = reinterpret_cast<const int32_t *>(s.local[op.slot] + s.send_pos);
+    for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+        const int e = m.expert[i];
+        m.row[i] = 0;
+        if (e < 0)
+            continue;
+        const int r = e / L;
+        if (*reinterpret_cast<volatile int32_t *>(s.mask + r))
+            continue;
+        const int j = i % k, token_begin = i - j;
+        int first = 0;
+        while (m.expert[token_begin + first] != e)
+            first++;
+        const int64_t t = b0 + i / k;
+        const char *peer = s.peer[r];
+        const char *row;
+        if (peer != NULL) {
+            /* The packed row the dispatch placed it at (never -1 for a first position,
+             * unless the combine's routing differs from the dispatch's). */
+            const int32_t place = send_pos[t * k + first];
+            if (place < 0)
+                continue;
+            row = peer + slot_base + s.combine_in +
+                  ((size_t)(e % L) * (size_t)s.rows + (size_t)place) * row_bytes;
+        } else {
+            row = s.sym + slot_base + s.combine_stage + (size_t)(t * k + first) * row_bytes;
+        }
+        m.row[i] = reinterpret_cast<uint64_t>(row);
+    }
+    __syncthreads();
+}
+
+/* Compact each token's entries to the valid ones (their rank answered), in top-k order. */
+__device__ void compact_routing(const epx_ll_shape_t &s, const recv_smem_t &m, int n)
+{
+    const int k = s.topk, L = s.num_local;
+    for (int tt = threadIdx.x; tt < n; tt += blockDim.x) {
+        int valid = 0;
+        for (int j = 0; j < k; j++) {
+            const int i = tt * k + j;
+            const uint64_t row = m.row[i];
+            if (row == 0 || !m.ok[m.expert[i] / L])
+                continue;
+            m.row[tt * k + valid] = row;
+            m.weight[tt * k + valid] = m.weight[i];
+            valid++;
+        }
+        m.valid[tt] = valid;
+    }
+    __syncthreads();
+}
+
+/*
+ * One warp's share of a routing batch of n tokens from b0: units (token, 256-channel
+ * chunk) warp, warp + warps, ...; each unit in groups of up to EPX_LL2_STAGE_ROWS rows,
+ * each group one pipeline item (one stage of cp.async copies, 16 bytes of each row per
+ * lane), `stages` items in flight.
+ */
+__device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, const recv_smem_t &m,
+                             int64_t b0, int n, int stages)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
+    const int chunks = (int)((s.hidden + 255) / 256);
+    const int groups = (k + EPX_LL2_STAGE_ROWS - 1) / EPX_LL2_STAGE_ROWS;
+    const int units = n * chunks;
+    const int my_units = warp < units ? (units - warp + EPX_LL_WARPS - 1) / EPX_LL_WARPS : 0;
+    const int items = my_units * groups;
+    int4 *ring = m.stages + (size_t)warp * stages * EPX_LL2_STAGE_ROWS * 32;
+
+    /* Copies of item p into stage p % stages (a commit even when empty, so that the
+     * group count stays in step with the items). */
+    auto issue = [&](int p) {
+        if (p < items) {
+            const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
+            const int tt = unit / chunks;
+            const int64_t channel = (int64_t)(unit % chunks) * 256 + lane * 8;
+            const int valid = m.valid[tt];
+            int4 *slot = ring + (size_t)(p % stages) * EPX_LL2_STAGE_ROWS * 32 + lane;
+            if (channel < s.hidden) {
+                for (int b = 0; b < EPX_LL2_STAGE_ROWS; b++) {
+                    const int jj = g * EPX_LL2_STAGE_ROWS + b;
+                    if (jj >= valid)
+                        break;
+                    const char *row = reinterpret_cast<const char *>(m.row[tt * k + jj]);
+                    epx_ll2_cp_async16(slot + b * 32, row + channel * 2);
+                }
+            }
+        }
+        epx_ll2_cp_async_commit();
+    };
+
+    for (int p = 0; p < stages - 1; p++)
+        issue(p);
+    float acc[8];
+    for (int i = 0; i < 8; i++)
+        acc[i] = 0.0f;
+    for (int p = 0; p < items; p++) {
+        issue(p + stages - 1);
+        epx_ll2_cp_async_wait_pending(stages - 1); /* item p's copies are in */
+        const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
+        const int tt = unit / chunks;
+        const int64_t channel = (int64_t)(unit % chunks) * 256 + lane * 8;
+        const int valid = m.valid[tt];
+        const int4 *slot = ring + (size_t)(p % stages) * EPX_LL2_STAGE_ROWS * 32 + lane;
+        if (channel < s.hidden) {
+            for (int b = 0; b < EPX_LL2_STAGE_ROWS; b++) {
+                const int jj = g * EPX_LL2_STAGE_ROWS + b;
+                if (jj >= valid)
+                    break;
+                const int4 raw = slot[b * 32];
+                const float w = m.weight[tt * k + jj];
+                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+            }
+        }
+        if (g == groups - 1) {
+            if (channel < s.hidden) {
+                int4 packed;
+                __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    o[i] = __float2bfloat16_rn(acc[i]);
+                epx_st_v4(reinterpret_cast<char *>(op.out) +
+                              ((size_t)(b0 + tt) * op.out_stride + channel) * 2,
+                          packed);
+            }
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.0f;
+        }
+    }
+    epx_ll2_cp_async_wait<0>();
+}
+
+__device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
+                             int stages)
+{
+    extern __shared__ __align__(16) char smem[];
+    __shared__ int last;
+    const int R = s.world, k = s.topk, slot = op.slot;
+    const int tc = EPX_LL2_ROUTE_TOKENS;
+    recv_smem_t m;
+    m.stages = reinterpret_cast<int4 *>(smem);
+    m.row = reinterpret_cast<uint64_t *>(smem + epx_ll2_combine_stage_bytes(stages));
+    m.weight = reinterpret_cast<float *>(m.row + tc * k);
+    m.expert = reinterpret_cast<int32_t *>(m.weight + tc * k);
+    m.valid = m.expert + tc * k;
+    m.ok = m.valid + tc;
+    const int64_t T = op.tokens, per = (T + gridDim.x - 1) / gridDim.x;
+    const int64_t t0 = min(T, (int64_t)blockIdx.x * per), t1 = min(T, t0 + per);
+    char *own = s.sym + s.slot[slot];
+
+    /* The first batch's routing before the waits (it needs only this rank's memory). */
+    if (t0 < t1)
+        load_routing(s, op, m, t0, (int)min((int64_t)tc, t1 - t0));
+    /* Pulled ranks: their "outputs ready" flag; pushing ranks: the rows they push, as
+     * many as this rank sent them in the dispatch, counted by their signals. */
+    const int32_t *sent_rows = reinterpret_cast<const int32_t *>(s.local[slot] + s.sent_rows);
+    const uint64_t *arrival = reinterpret_cast<const uint64_t *>(own + s.combine_arrival);
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+        if (alive && s.peer[r] != NULL)
+            alive = epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_COMBINE, slot, r), seq, s.mask, R, r,
+                                s.fail, s.timeout_ns, EPX_LL_STAGE_COMBINE);
+        else if (alive)
+            alive = epx_ll2_wait_count(s, arrival + r,
+                                       s.combine_arrived[slot * R + r] + (uint64_t)sent_rows[r], r,
+                                       EPX_LL_STAGE_COMBINE);
+        m.ok[r] = alive;
+    }
+    __syncthreads();
+
+    for (int64_t b0 = t0; b0 < t1; b0 += tc) {
+        const int n = (int)min((int64_t)tc, t1 - b0);
+        if (b0 != t0)
+            load_routing(s, op, m, b0, n);
+        compact_routing(s, m, n);
+        reduce_batch(s, op, m, b0, n, stages);
+        __syncthreads();
+    }
+
+    if (!epx_ll2_last_block(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
+        return;
+    /* Every block is done reading the expert ranks' memory: their slot is free. Every
+     * block read the counters' bases and the sequence number before counting itself. */
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        if (!m.ok[r])
+            continue;
+        if (s.peer[r] == NULL)
+            s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
+        epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
+    }
+    if (fused && threadIdx.x == 0)
+        s.seq[slot * 2 + 1] = seq;
+}
+
+} // namespace
+
+/*
+ * The one kernel of a kernels-2 combine: the send, the receive, or both. Its name keeps
+ * "combine" for profilers and DeepEP's tests.
+ */
+namespace epx {
+namespace ll2 {
+__global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_ll_op_t op, int run,
+                                                          int stages)
+{
+    if (run & EPX_LL_RUN_SEND) {
+        /* Read by every block before it counts itself done in the receive. */
+        const uint64_t seq = epx_ll_seq(s, op.slot, 1) + 1;
+        const int fused = (run & EPX_LL_RUN_RECV) != 0;
+        combine_send(s, op, seq, fused);
+        if (fused) {
+            __syncthreads();
+            combine_recv(s, op, seq, 1, stages);
+        }
+    } else {
+        combine_recv(s, op, epx_ll_seq(s, op.slot, 1), 0, stages);
+    }
+}
+} // namespace ll2
+} // namespace epx
+
+/*
+ * The combine receive's copy stages: as many (up to 3) as the device's shared memory per
+ * block holds beside the kernel's static shared memory, and the attribute that lets the
+ * kernel use it (process-wide: set to the most the device allows, so that no buffer's
+ * launch needs more than another buffer set).
+ */
+extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
+{
+    int device = 0, optin = 0;
+    cudaFuncAttributes attributes;
+    cudaError_t err = cudaGetDevice(&device);
+    if (err == cudaSuccess)
+        err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (err == cudaSuccess)
+        err = cudaFuncGetAttributes(&attributes, epx::ll2::combine);
+    if (err != cudaSuccess)
+        return (int)err;
+    const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
+    const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
+    s->stages = 3;
+    while (s->stages > 1 &&
+           epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
+        s->stages--;
+    if (epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
+        return (int)cudaErrorInvalidValue;
+    return (int)cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     (int)dynamic);
+}
+
+extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t *op, int run,
+                                      void *stream)
+{
+    size_t smem = epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, run);
+    const char *own = s->sym + s->slot[op->slot];
+    const int moves = s->use_puts || (const char *)op->x != own + s->combine_in;
+    /* A send alone that moves no row is one block's work (flags). */
+    const int blocks = (run == EPX_LL_RUN_SEND && !moves) ? 1 : s->blocks;
+    epx::ll2::combine<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run,
+                                                                              s->stages);
+    return (int)cudaGetLastError();
+}

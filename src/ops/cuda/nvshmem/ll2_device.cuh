@@ -1,0 +1,208 @@
+/*
+ * What the kernels-2 low-latency kernels (ll2_dispatch.cu, ll2_combine.cu) add to
+ * ll_device.cuh: tagged words (the count exchange), cumulative arrival counters raised
+ * with system-scope release reductions, a last-block handshake without system fences,
+ * a warp scan, and asynchronous copies into shared memory.
+ *
+ * Memory ordering, in one place (each use points here):
+ * - A tagged word is (tag << 32) | value, written with one 64-bit store (a direct peer)
+ *   or inside an NVSHMEM put of whole words (8-byte aligned words arrive whole, as
+ *   NCCL's LL protocol also relies on). It carries its own validity: a reader that sees
+ *   the tag of this operation sees the value written with it, and no other data is
+ *   published through it, so relaxed stores and loads suffice.
+ * - Rows are published by counters: a block stores its rows (plain weak stores by many
+ *   threads), __syncthreads(), then one thread adds the block's count to the receiver's
+ *   counter with red.release.sys. PTX release is cumulative: every store that precedes
+ *   the barrier is ordered before the addition for any thread that observes it with an
+ *   acquire load (ld.acquire.sys in epx_ll_wait), so a receiver that sees the counter
+ *   reach its target sees every row counted in it. NVSHMEM puts add to the same
+ *   counters with put-with-signal, which NVSHMEM delivers after the put's data.
+ * - The counters are cumulative (never cleared): the receiver keeps, in its own device
+ *   memory, how far it has counted (shape.arrived / combine_arrived), and the sender
+ *   says in the count exchange how many units this operation adds.
+ */
+#ifndef EPX_OPS_CUDA_NVSHMEM_LL2_DEVICE_CUH
+#define EPX_OPS_CUDA_NVSHMEM_LL2_DEVICE_CUH
+
+#include "ops/cuda/nvshmem/ll_device.cuh"
+
+#if EPX_LL2_THREADS != EPX_LL_THREADS
+#error "kernels 2 assume the blocks of kernels 1 (EPX_LL2_THREADS in ll_plugin.h)"
+#endif
+
+/* ---------------------------------------------------------------- tagged words */
+
+__device__ __forceinline__ uint64_t epx_ll2_tagged(uint32_t tag, uint32_t value)
+{
+    return ((uint64_t)tag << 32) | value;
+}
+
+__device__ __forceinline__ void epx_ll2_st_relaxed_sys(uint64_t *p, uint64_t v)
+{
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t epx_ll2_ld_relaxed_sys(const uint64_t *p)
+{
+    uint64_t v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/*
+ * Wait until the tagged word at `word` carries `tag`: its value, or -1 when the peer is
+ * (or becomes) masked or stays silent past the timeout (then it is masked here and the
+ * failure record written once, as epx_ll_wait does). Tags compare for equality, so they
+ * may wrap: a stale word is always from an earlier operation of the same slot.
+ */
+static __device__ __noinline__ int64_t epx_ll2_wait_tag_slow(const uint64_t *word, uint32_t tag,
+                                                             int32_t *mask, int world, int peer,
+                                                             epx_ll_fail_t *fail,
+                                                             int64_t timeout_ns, int stage)
+{
+    volatile int32_t *masked = mask + peer;
+    uint64_t start = epx_globaltimer();
+    for (;;) {
+        for (int spin = 0; spin < 64; spin++) {
+            uint64_t v = epx_ll2_ld_relaxed_sys(word);
+            if ((uint32_t)(v >> 32) == tag)
+                return (int64_t)(uint32_t)v;
+        }
+        if (*masked)
+            return -1;
+        if (epx_globaltimer() - start > (uint64_t)timeout_ns) {
+            atomicExch(mask + peer, 1);
+            if (atomicCAS(mask + world, 0, 1) == 0) {
+                volatile epx_ll_fail_t *f = fail;
+                f->stage = stage;
+                f->peer = peer;
+                __threadfence_system();
+                f->code = 1;
+                __threadfence_system();
+            }
+            return -1;
+        }
+    }
+}
+
+/* The value already loaded (`v`) when it carries the tag, else the slow wait. */
+__device__ __forceinline__ int64_t epx_ll2_tag_value(const epx_ll_shape_t &s, const uint64_t *word,
+                                                     uint64_t v, uint32_t tag, int peer, int stage)
+{
+    if ((uint32_t)(v >> 32) == tag)
+        return (int64_t)(uint32_t)v;
+    if (*reinterpret_cast<volatile int32_t *>(s.mask + peer))
+        return -1;
+    return epx_ll2_wait_tag_slow(word, tag, s.mask, s.world, peer, s.fail, s.timeout_ns, stage);
+}
+
+/* ---------------------------------------------------------------- counters */
+
+/* Add `v` to a counter at system scope, after everything this thread has observed. */
+__device__ __forceinline__ void epx_ll2_red_release_sys(uint64_t *p, uint64_t v)
+{
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/* Wait until a counter reaches `target` (1), or the peer is masked or silent (0). */
+__device__ __forceinline__ int epx_ll2_wait_count(const epx_ll_shape_t &s, const uint64_t *counter,
+                                                  uint64_t target, int peer, int stage)
+{
+    return epx_ll_wait(counter, target, s.mask, s.world, peer, s.fail, s.timeout_ns, stage);
+}
+
+/*
+ * The last-block handshake of a grid whose blocks publish nothing through it to other
+ * ranks by themselves: returns nonzero in the last block to arrive, after which that
+ * block's threads see every other block's writes at GPU scope (each block's thread 0
+ * fences after the block barrier, then counts; the last one fences after counting). What
+ * the last block then publishes to peers it publishes with release operations at system
+ * scope, which are cumulative over what it has observed. Resets the counter.
+ */
+__device__ __forceinline__ int epx_ll2_last_block(uint32_t *counter, int *flag)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        uint32_t arrived = atomicAdd(counter, 1u);
+        *flag = arrived == gridDim.x - 1;
+        if (*flag) {
+            atomicExch(counter, 0u);
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return *flag;
+}
+
+/* ---------------------------------------------------------------- scans */
+
+/*
+ * Exclusive prefix sum of a[0..n) in place, by one warp (every lane calls it with the
+ * same arguments); returns the total to every lane. Each lane sums a contiguous run.
+ */
+__device__ __forceinline__ int32_t epx_ll2_warp_scan(int32_t *a, int n, int lane)
+{
+    const int per = (n + 31) / 32;
+    const int begin = min(n, lane * per), end = min(n, begin + per);
+    int32_t sum = 0;
+    for (int i = begin; i < end; i++)
+        sum += a[i];
+    int32_t inclusive = sum;
+    for (int d = 1; d < 32; d <<= 1) {
+        int32_t other = __shfl_up_sync(0xffffffffu, inclusive, d);
+        if (lane >= d)
+            inclusive += other;
+    }
+    int32_t run = inclusive - sum;
+    for (int i = begin; i < end; i++) {
+        int32_t v = a[i];
+        a[i] = run;
+        run += v;
+    }
+    __syncwarp();
+    return __shfl_sync(0xffffffffu, inclusive, 31);
+}
+
+/* ---------------------------------------------------------------- asynchronous copies */
+
+/* 16 bytes global -> shared without registers (cp.async, L2 only: rows written by peers
+ * must never come from a stale L1 line). */
+__device__ __forceinline__ void epx_ll2_cp_async16(void *smem, const void *gmem)
+{
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void epx_ll2_cp_async_commit(void)
+{
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+/* Wait until at most `kPending` of this thread's newest copy groups are in flight. */
+template <int kPending>
+__device__ __forceinline__ void epx_ll2_cp_async_wait(void)
+{
+    asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+}
+
+/* Runtime-depth wait (the stages are a launch argument): 0..3 groups left in flight. */
+__device__ __forceinline__ void epx_ll2_cp_async_wait_pending(int pending)
+{
+    if (pending >= 3)
+        epx_ll2_cp_async_wait<3>();
+    else if (pending == 2)
+        epx_ll2_cp_async_wait<2>();
+    else if (pending == 1)
+        epx_ll2_cp_async_wait<1>();
+    else
+        epx_ll2_cp_async_wait<0>();
+}
+
+/* Ask L2 to fetch the line holding `p` (a hint; nothing waits for it). */
+__device__ __forceinline__ void epx_ll2_prefetch_l2(const void *p)
+{
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+#endif /* EPX_OPS_CUDA_NVSHMEM_LL2_DEVICE_CUH */
