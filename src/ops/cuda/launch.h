@@ -258,7 +258,7 @@ EPX_CUDA_HOST_DEVICE epx__cuda_xn_record_t epx__cuda_xn_record(int64_t row_bytes
  * B = C / G chunks per ring. Channel n of a counter array is the ring shared with the
  * rank of this local index on node n. Written by NVSHMEM signals from other nodes:
  * arrived [N][B] (records or partial sums that landed in each chunk of a ring, added
- * by the sender's put; reset by this rank once the chunk drained) and credit [N]
+ * by the sender's put; zeroed by this rank after an operation's last use) and credit [N]
  * (records the rank on node n drained of this rank's, only grows). Only this rank's:
  * sent [N] (records put to node n before this operation, the base of the credits) and
  * done [N][B] (records of each chunk already consumed here, reset with arrived).

@@ -6,40 +6,44 @@
  * with the same local index there): dispatch records go one way, combine partial sums
  * the other. Item j of a channel in an operation (its index among the items the sender
  * has for that node: node_pos) lives in slot j % C of the sender's staging and of the
- * receiver's slots for that sender's node. Items are grouped in chunks of G (G divides
- * C; B = C / G chunks per ring): a put never spans two chunks, and adds its item count to
- * the receiver's arrival counter of the chunk (NVSHMEM put-with-signal, ADD), so the
- * receiver knows a chunk is complete when its counter reaches the chunk's size.
+ * receiver's slots for that sender's node. Each item is one put-with-signal that adds 1
+ * to the receiver's arrival counter of the item's chunk (chunks of G items, G divides C;
+ * B = C / G counters per ring). Counter c % B serves chunks c, c + B, ... of an
+ * operation and is zeroed after the last, so chunk c has landed when it reads
+ * (c / B) * G + the chunk's size (epx_xn_chunk_target); a receiver reads an item once
+ * its chunk landed.
  *
- * Credits. The receiver counts the items of each chunk it consumed (done). One warp of
- * the receiver, the credit warp, walks each channel's chunks in order: once a chunk was
- * consumed entirely it zeroes the chunk's two counters and adds the chunk's size to the
- * sender's credit counter for that channel (an NVSHMEM signal, ADD, the only way to
- * reach another node). Credits therefore always cover a prefix of the channel: credit =
- * sent + k means items 0..k-1 of this operation were consumed, where `sent` is the items
- * put on the channel before this operation. The sender writes item j into slot j % C
- * only when credit >= sent + j + 1 - C (item j - C, the slot's previous tenant, was
- * consumed, so its put also finished reading the staging slot). At the start of an
- * operation the ring is empty (the partner finished the previous one before its count
- * message or its combine entry signal, which every sender waits for), so items 0..C-1
- * need no credit.
+ * Credits. The receiver counts the items of each chunk it consumed (done, the same way).
+ * One warp of the receiver, the credit warp, walks each channel's chunks in order: once
+ * a chunk was consumed entirely it adds the chunk's size to the sender's credit counter
+ * for that channel (an NVSHMEM signal, ADD, the only way to reach another node). Credits
+ * therefore always cover a prefix of the channel: credit = sent + k means items 0..k-1
+ * of this operation were consumed, where `sent` is the items put on the channel before
+ * this operation. The sender writes item j into slot j % C only when credit >= sent +
+ * j + 1 - C (item j - C, the slot's previous tenant, was consumed, so its put also
+ * finished reading the staging slot). At the start of an operation the ring is empty
+ * (the partner finished the previous one before its count message or its combine entry
+ * signal, which every sender waits for), so items 0..C-1 need no credit.
  *
- * Progress (why no deadlock). Warps have one role each: senders only wait for credits,
- * receivers only for arrivals, the credit warp for neither (it polls). A sender puts its
- * staged items before any wait for credit. Receivers of a channel consume its items in
- * increasing order per warp and never wait on one channel while another has work (the
- * dispatch forwarders poll theirs; a combine reducer waits only for the items of its
- * own smallest unconsumed token, all of whose earlier items were consumed). Take the
- * smallest item x of a channel not yet consumed: every chunk before x's was consumed and
- * credited, so credit >= sent + chunk_start(x) >= sent + x + G - C, enough for every
- * item of x's chunk (C >= G); the sender of x is then blocked only on other channels,
- * and following those waits always leads to a lower node index (dispatch: a rank's
- * earliest sender warp holds the lowest pending item of each of its channels; combine:
- * producers take items in node order), so the chain ends at a warp that moves.
+ * Progress (why no deadlock). Warps have one role each: senders only wait for credits
+ * (and, in combine, for the home rank's entry signal, which waits for nothing), receivers
+ * only for arrivals, the credit warp for neither (it polls). Senders take their work
+ * strided (warp k of n: items k, k + n, ...), each in increasing order, and put an item
+ * as soon as it is staged. Consider a rank's earliest unfinished item (the smallest among
+ * its sender warps' current ones): every earlier item of the rank was put, so on each of
+ * its channels every chunk up to the item's chunk minus B can land, be consumed and be
+ * credited, which is all the credit the item needs (C >= G). Dispatch forwarders poll
+ * all their channels without blocking on one, so a channel's items are consumed as their
+ * chunks land. A combine reducer waits for the partial sums of its smallest unconsumed
+ * token, whose earlier items on every channel were consumed; a producer it waits for is
+ * blocked, if at all, on a home rank of a lower node (producers' items are in node
+ * order), so every chain of waits ends at a warp that moves.
  *
  * Warp roles per block: warps [0, EPX_XN_RING_RECEIVERS) receive (forward records, or
  * reduce own tokens), the others send, except the last warp of block 0, which returns
- * credits. Every wait has the group's timeout and names the rank and stage.
+ * credits. At most C items per channel are staged or in flight, so at most C sender
+ * warps of a rank work on one channel at a time: the ring bounds the parallelism too.
+ * Every wait has the group's timeout and names the rank and stage.
  */
 #ifndef EPX_OPS_CUDA_NVSHMEM_XN_RING_CUH
 #define EPX_OPS_CUDA_NVSHMEM_XN_RING_CUH
@@ -110,6 +114,20 @@ __device__ __forceinline__ int64_t epx_xn_chunk_size(const epx__cuda_shape_t &s,
     return min(s.xn_chunk, total - chunk * s.xn_chunk);
 }
 
+/*
+ * What the arrival (or done) counter of chunk `chunk` reads once the chunk is complete.
+ * A counter serves chunks c, c + B, c + 2B, ... of an operation and is zeroed only after
+ * the last of them: the earlier ones were full (only an operation's last chunk may be
+ * short), and chunk c + B cannot start before chunk c was credited, so the counter
+ * cannot mistake an earlier chunk for a later one.
+ */
+__device__ __forceinline__ uint64_t epx_xn_chunk_target(const epx__cuda_shape_t &s,
+                                                        int64_t chunk, int64_t total)
+{
+    const int64_t chunks = s.xn_ring / s.xn_chunk;
+    return (uint64_t)((chunk / chunks) * s.xn_chunk + epx_xn_chunk_size(s, chunk, total));
+}
+
 /* The counter index of item j's chunk on the channel from (or to) node `node`. */
 __device__ __forceinline__ int64_t epx_xn_chunk_slot(const epx__cuda_shape_t &s, int node,
                                                      int64_t j)
@@ -135,74 +153,27 @@ typedef struct {
     int64_t enter_offset;
 } epx_xn_ring_put_t;
 
-/*
- * Put this warp's staged items for node `node` (pending[node] items from first[node],
- * all in one chunk) with one put-with-signal; 0 when a wait gave up (failure recorded).
- * first/pending: this warp's rows of shared memory, [EPX_CUDA_MAX_RANKS] each.
- */
-__device__ __forceinline__ int epx_xn_ring_flush(const epx__cuda_shape_t &s,
-                                                 const epx_xn_ring_put_t &p, int node,
-                                                 int32_t *first, int32_t *pending)
+/* Staging slot of item j for node `node`. */
+__device__ __forceinline__ char *epx_xn_ring_slot(const epx__cuda_shape_t &s,
+                                                  const epx_xn_ring_put_t &p, int node,
+                                                  int64_t j)
 {
-    const int32_t count = pending[node];
-    if (count == 0)
-        return 1;
-    const int32_t from = first[node];
-    const int me = s.rank, my_node = epx_xn_node(s, me), partner = epx_xn_partner(s, node);
-    const int64_t C = s.xn_ring;
-    int ok = 1;
-    if (p.enter_offset >= 0 && epx_lane() == 0)
-        ok = epx_wait_flag(s, epx_slot_flag(epx_slot(s, me, partner), (size_t)p.enter_offset),
-                           epx_op_seq(s), EPX_CUDA_STAGE_COMBINE_ENTER, partner);
-    if (!__shfl_sync(0xffffffffu, ok, 0))
-        return 0;
-    epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)from * 64 + (uint64_t)node);
-    __syncwarp();
-    const int64_t slot = from & (C - 1);
-    char *own = epx_xn_own(s);
-    nvshmemx_putmem_signal_nbi_warp(own + p.dst_offset + ((int64_t)my_node * C + slot) * p.pitch,
-                                    p.stage + ((int64_t)node * C + slot) * p.pitch,
-                                    (size_t)count * (size_t)p.pitch,
-                                    p.ring.arrived + epx_xn_chunk_slot(s, my_node, from),
-                                    (uint64_t)count, NVSHMEM_SIGNAL_ADD, partner);
-    __syncwarp();
-    if (epx_lane() == 0)
-        pending[node] = 0;
-    __syncwarp();
-    return 1;
-}
-
-/* Put every node's staged items; 0 when a wait gave up. */
-__device__ __forceinline__ int epx_xn_ring_flush_all(const epx__cuda_shape_t &s,
-                                                     const epx_xn_ring_put_t &p, int32_t *first,
-                                                     int32_t *pending)
-{
-    for (int node = 0; node < s.num_nodes; node++)
-        if (!epx_xn_ring_flush(s, p, node, first, pending))
-            return 0;
-    return 1;
+    return p.stage + ((int64_t)node * s.xn_ring + (j & (s.xn_ring - 1))) * p.pitch;
 }
 
 /*
- * Before staging item j for node `node`: put the staged items of the previous chunk if
- * j starts a new one, and wait until slot j % C is free (credit >= sent + j + 1 - C),
- * putting everything staged first so no receiver waits on this warp meanwhile.
- * 0 when a wait gave up.
+ * Before staging item j for node `node`: wait until its slot is free, credit >= sent +
+ * j + 1 - C (the slot's previous tenant, item j - C, was consumed). 0 when the wait gave
+ * up (the failure is recorded).
  */
 __device__ __forceinline__ int epx_xn_ring_reserve(const epx__cuda_shape_t &s,
                                                    const epx_xn_ring_put_t &p, int node,
-                                                   int64_t j, int32_t *first, int32_t *pending)
+                                                   int64_t j)
 {
     const int64_t C = s.xn_ring;
-    if (j % s.xn_chunk == 0 && !epx_xn_ring_flush(s, p, node, first, pending))
-        return 0;
     if (j < C)
         return 1;
     const uint64_t need = p.ring.sent[node] + (uint64_t)(j + 1 - C);
-    if (epx_ld_acquire_sys(&p.ring.credit[node]) >= need)
-        return 1;
-    if (!epx_xn_ring_flush_all(s, p, first, pending))
-        return 0;
     int ok = 1;
     if (epx_lane() == 0)
         ok = epx_wait_flag(s, &p.ring.credit[node], need, p.credit_stage,
@@ -210,15 +181,30 @@ __device__ __forceinline__ int epx_xn_ring_reserve(const epx__cuda_shape_t &s,
     return __shfl_sync(0xffffffffu, ok, 0);
 }
 
-/* Item j for node `node` was staged: add it to this warp's pending run (lane 0). */
-__device__ __forceinline__ void epx_xn_ring_stage(int node, int64_t j, int32_t *first,
-                                                  int32_t *pending)
+/*
+ * Put staged item j for node `node` into the receiver's slot with one put-with-signal
+ * that adds 1 to the arrival counter of its chunk there (data and arrival in one
+ * operation; the caller synced the warp after staging). 0 when a wait gave up.
+ */
+__device__ __forceinline__ int epx_xn_ring_put(const epx__cuda_shape_t &s,
+                                               const epx_xn_ring_put_t &p, int node, int64_t j)
 {
-    if (epx_lane() == 0) {
-        if (pending[node] == 0)
-            first[node] = (int32_t)j;
-        pending[node]++;
-    }
+    const int me = s.rank, my_node = epx_xn_node(s, me), partner = epx_xn_partner(s, node);
+    int ok = 1;
+    if (p.enter_offset >= 0 && epx_lane() == 0)
+        ok = epx_wait_flag(s, epx_slot_flag(epx_slot(s, me, partner), (size_t)p.enter_offset),
+                           epx_op_seq(s), EPX_CUDA_STAGE_COMBINE_ENTER, partner);
+    if (!__shfl_sync(0xffffffffu, ok, 0))
+        return 0;
+    epx_xn_test_delay(s.xn_test_delay_ns, (uint64_t)j * 64 + (uint64_t)node);
+    __syncwarp();
+    const int64_t slot = j & (s.xn_ring - 1);
+    nvshmemx_putmem_signal_nbi_warp(epx_xn_own(s) + p.dst_offset +
+                                        ((int64_t)my_node * s.xn_ring + slot) * p.pitch,
+                                    epx_xn_ring_slot(s, p, node, j), (size_t)p.pitch,
+                                    p.ring.arrived + epx_xn_chunk_slot(s, my_node, j), 1,
+                                    NVSHMEM_SIGNAL_ADD, partner);
+    return 1;
 }
 
 /* ---------------------------------------------------------------- receiving side */
@@ -246,7 +232,7 @@ __device__ __forceinline__ int epx_xn_ring_arrived(const epx__cuda_shape_t &s,
                                                    int64_t chunk, int64_t total)
 {
     return epx_ld_acquire_sys(ring.arrived + epx_xn_chunk_slot(s, node, chunk * s.xn_chunk)) >=
-           (uint64_t)epx_xn_chunk_size(s, chunk, total);
+           epx_xn_chunk_target(s, chunk, total);
 }
 
 /*
@@ -272,10 +258,11 @@ __device__ __forceinline__ int epx_xn_ring_give_up(const epx__cuda_shape_t &s, u
 
 /*
  * The credit warp: for each channel into this rank (lane = its sender's node, two per
- * lane), walk its chunks in order; when one was consumed entirely, zero its counters and
- * add its size to the sender's credit counter `credit` (this rank's node's entry there).
- * totals[n]: items node n's partner sends here in this operation. Returns when every
- * chunk is credited, or on a failure (a timeout names the sender of a chunk still open).
+ * lane), walk its chunks in order; when one was consumed entirely, add its size to the
+ * sender's credit counter `credit` (this rank's node's entry there), zeroing its two
+ * counters first if no later chunk of this operation uses them. totals[n]: items node
+ * n's partner sends here in this operation. Returns when every chunk is credited, or on
+ * a failure (a timeout names the sender of a chunk still open).
  */
 __device__ __forceinline__ void epx_xn_ring_credits(const epx__cuda_shape_t &s,
                                                     const epx_xn_ring_t &ring,
@@ -297,14 +284,17 @@ __device__ __forceinline__ void epx_xn_ring_credits(const epx__cuda_shape_t &s,
             while (head[i] < chunks[i]) {
                 const int64_t size = epx_xn_chunk_size(s, head[i], total[i]);
                 const int64_t at = epx_xn_chunk_slot(s, node[i], head[i] * s.xn_chunk);
-                if ((int64_t)*reinterpret_cast<volatile uint32_t *>(ring.done + at) < size) {
+                if (*reinterpret_cast<volatile uint32_t *>(ring.done + at) <
+                    epx_xn_chunk_target(s, head[i], total[i])) {
                     open = 1;
                     peer = epx_xn_partner(s, node[i]);
                     break;
                 }
-                /* No item lands in this chunk again before the credit below. */
-                atomicExch(ring.done + at, 0u);
-                atomicExch(reinterpret_cast<unsigned long long *>(ring.arrived + at), 0ull);
+                if (head[i] + s.xn_ring / s.xn_chunk >= chunks[i]) {
+                    /* The counters' last chunk in this operation: ready for the next. */
+                    atomicExch(ring.done + at, 0u);
+                    atomicExch(reinterpret_cast<unsigned long long *>(ring.arrived + at), 0ull);
+                }
                 __threadfence_system();
                 epx_xn_test_sleep(s.xn_test_delay_ns, (uint64_t)at * 131 + (uint64_t)head[i]);
                 nvshmemx_signal_op(ring.credit + my_node, (uint64_t)size, NVSHMEM_SIGNAL_ADD,

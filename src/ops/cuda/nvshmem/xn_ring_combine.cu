@@ -5,11 +5,11 @@
  * xn_ring.cuh). The ready kernel is xn_combine.cu's; the order of additions is the same
  * (docs/INTERNODE.md), so are the bits.
  *
- * Roles (warps of each block, xn_ring.cuh): producers take contiguous runs of the
- * records this rank forwarded in the dispatch (in node order, then record order),
- * reduce each over this node's rows into the partial-sum ring for its home rank, and
- * put a chunk's partial sums with one put-with-signal once the home rank entered this
- * combine; reducers take this rank's own tokens (warp k: tokens k, k + count, ...),
+ * Roles (warps of each block, xn_ring.cuh): producers take the records this rank
+ * forwarded in the dispatch strided (in node order, then record order), wait for the
+ * credit of each, reduce it over this node's rows into the partial-sum ring for its home
+ * rank, and put it with one put-with-signal once the home rank entered this combine;
+ * reducers take this rank's own tokens (warp k: tokens k, k + count, ...),
  * wait for the chunks that hold their partial sums, add them in node order, and count
  * them consumed; the credit warp returns credits chunk by chunk, in order.
  * Buffer use: [N][C] partial-sum slots in and out per rank, whatever the routing.
@@ -24,18 +24,16 @@ typedef struct {
     const int64_t *rows;
 } epx_xn_sources_t;
 
-/* Producers: this warp's run of forwarded records. */
+/* Producers: this warp's forwarded records (index, index + count, ... in node order). */
 __device__ __forceinline__ void epx_xn_ring_produce(const epx__cuda_shape_t &s,
                                                     const epx__cuda_combine_args_t &a,
                                                     const epx_xn_role_t &role,
                                                     const epx_xn_sources_t &x,
                                                     const int32_t *first_record,
                                                     const char **local_row,
-                                                    const float **local_weights,
-                                                    int32_t *first, int32_t *pending)
+                                                    const float **local_weights)
 {
     const int N = s.num_nodes, P = s.ranks_per_node;
-    const int64_t C = s.xn_ring;
     epx_xn_ring_put_t p;
     p.stage = epx_xn_own(s) + s.off_xn_partial_out;
     p.dst_offset = s.off_xn_partial_in;
@@ -43,32 +41,24 @@ __device__ __forceinline__ void epx_xn_ring_produce(const epx__cuda_shape_t &s,
     p.ring = epx_xn_ring(s, 1);
     p.credit_stage = EPX_CUDA_STAGE_COMBINE_CREDIT;
     p.enter_offset = (int64_t)offsetof(epx__cuda_slot_t, xn_enter);
-    for (int node = epx_lane(); node < N; node += 32)
-        pending[node] = 0;
-    __syncwarp();
-
-    const int64_t records = first_record[N];
-    const int64_t per_warp = (records + role.count - 1) / role.count;
-    const int64_t run_begin = min(role.index * per_warp, records);
-    const int64_t run_end = min(run_begin + per_warp, records);
-    for (int64_t q = run_begin; q < run_end; q++) {
+    for (int64_t q = role.index; q < first_record[N]; q += role.count) {
         int node = 0;
         while (q >= first_record[node + 1])
             node++;
         const int64_t j = q - first_record[node];
-        if (!epx_xn_ring_reserve(s, p, node, j, first, pending))
+        if (!epx_xn_ring_reserve(s, p, node, j))
             return;
         const int32_t *rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
         int n_local = epx_xn_local_sources(s, rows, x.base, x.stride, x.rows, local_row,
                                            local_weights);
         __syncwarp();
-        char *out = p.stage + ((int64_t)node * C + (j & (C - 1))) * p.pitch;
-        epx_xn_partial_write(s, a, out, local_row, local_weights, n_local);
+        epx_xn_partial_write(s, a, epx_xn_ring_slot(s, p, node, j), local_row, local_weights,
+                             n_local);
         __syncwarp();
-        epx_xn_ring_stage(node, j, first, pending);
+        if (!epx_xn_ring_put(s, p, node, j))
+            return;
         __syncwarp();
     }
-    epx_xn_ring_flush_all(s, p, first, pending);
 }
 
 /* Reducers: this warp's own tokens, each once all its partial sums landed. */
@@ -102,8 +92,8 @@ __device__ __forceinline__ void epx_xn_ring_reduce(const epx__cuda_shape_t &s,
             if (pos[i] >= 0 && pos[i] / s.xn_chunk != known[i]) {
                 const int64_t chunk = pos[i] / s.xn_chunk;
                 const int partner = epx_xn_partner(s, other);
-                const uint64_t size = (uint64_t)epx_xn_chunk_size(s, chunk, a.xn.node_out[other]);
-                if (epx_wait_flag(s, ring.arrived + epx_xn_chunk_slot(s, other, pos[i]), size,
+                const uint64_t target = epx_xn_chunk_target(s, chunk, a.xn.node_out[other]);
+                if (epx_wait_flag(s, ring.arrived + epx_xn_chunk_slot(s, other, pos[i]), target,
                                   EPX_CUDA_STAGE_COMBINE_PARTIAL, partner))
                     known[i] = chunk;
                 else
@@ -146,9 +136,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ const char *remote_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ const float *remote_weights[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
-    /* A producer's staged partial sums per node: first index and count. */
-    __shared__ int32_t first[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int32_t pending[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
     const int N = s.num_nodes, P = s.ranks_per_node;
@@ -175,8 +162,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const epx_xn_role_t role = epx_xn_ring_role();
     const int warp = epx_warp();
     if (role.kind == EPX_XN_ROLE_SEND)
-        epx_xn_ring_produce(s, a, role, x, first_record, local_row[warp], local_weights[warp],
-                            first[warp], pending[warp]);
+        epx_xn_ring_produce(s, a, role, x, first_record, local_row[warp], local_weights[warp]);
     else if (role.kind == EPX_XN_ROLE_RECEIVE)
         epx_xn_ring_reduce(s, a, role, x, local_row[warp], local_weights[warp],
                            remote_row[warp], remote_weights[warp]);

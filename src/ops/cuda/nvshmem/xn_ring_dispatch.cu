@@ -5,10 +5,11 @@
  * count exchange is xn_dispatch.cu's; the results are the same bits (rows land where
  * the single-node dispatch puts them, whatever the arrival order).
  *
- * Roles (warps of each block, xn_ring.cuh): senders take contiguous runs of tokens in
- * order, store each row to the ranks of this node and stage one record per other node
- * in the outbox ring, and put a chunk's staged records with one put-with-signal (at a
- * chunk's end, before waiting for credits, at the run's end); forwarders each own
+ * Roles (warps of each block, xn_ring.cuh): senders take tokens strided (so the records
+ * the ring lets through at a time belong to many warps), wait for the credits of the
+ * token's records, store its row to the ranks of this node and stage one record per
+ * other node in the outbox ring, and put each record with one put-with-signal (one
+ * network message per record, as the bench counts); forwarders each own
  * records of one or more channels (records j = k, k + step, ... of a channel) and poll
  * them without blocking, forwarding a record once its chunk has landed and counting it
  * consumed; the credit warp returns credits chunk by chunk, in order.
@@ -17,34 +18,25 @@
 #include "ops/cuda/nvshmem/xn_ring.cuh"
 #include "ops/cuda/nvshmem/xn_send.cuh"
 
-/* Senders: this warp's run of tokens, in token order. */
+/* Senders: this warp's tokens (index, index + count, ...), in order. */
 template <int kUnroll>
 __device__ __forceinline__ void epx_xn_ring_send(const epx__cuda_shape_t &s,
                                                  const epx__cuda_dispatch_args_t &a,
                                                  const epx__cuda_xn_record_t &rec,
                                                  const epx_xn_role_t &role, char *const *peers,
                                                  const int32_t *bases, int32_t *dest,
-                                                 int32_t *dest_row, char **dest_x,
-                                                 int32_t *first, int32_t *pending)
+                                                 int32_t *dest_row, char **dest_x)
 {
     const int R = s.world_size;
-    char *own = epx_xn_own(s);
     epx_xn_ring_put_t p;
-    p.stage = own + s.off_xn_outbox;
+    p.stage = epx_xn_own(s) + s.off_xn_outbox;
     p.dst_offset = s.off_xn_inbox;
     p.pitch = rec.bytes;
     p.ring = epx_xn_ring(s, 0);
     p.credit_stage = EPX_CUDA_STAGE_CREDIT;
     p.enter_offset = -1;
-    for (int node = epx_lane(); node < s.num_nodes; node += 32)
-        pending[node] = 0;
-    __syncwarp();
-
-    const int64_t per_warp = (a.num_tokens + role.count - 1) / role.count;
-    const int64_t run_begin = min(role.index * per_warp, a.num_tokens);
-    const int64_t run_end = min(run_begin + per_warp, a.num_tokens);
     /* In order even in test mode: a later record may need the credits of earlier ones. */
-    for (int64_t t = run_begin; t < run_end; t++) {
+    for (int64_t t = role.index; t < a.num_tokens; t += role.count) {
         epx_xn_token_rows(a, t, R, bases);
         __syncwarp();
         int n = epx_xn_token_dests<true>(s, a, t, peers, p.stage, s.xn_ring, rec.bytes, dest,
@@ -55,17 +47,16 @@ __device__ __forceinline__ void epx_xn_ring_send(const epx__cuda_shape_t &s,
         int ok = 1;
         for (int d = 0; d < n && ok; d++)
             if (dest[d] < 0)
-                ok = epx_xn_ring_reserve(s, p, -1 - dest[d], dest_row[d], first, pending);
+                ok = epx_xn_ring_reserve(s, p, -1 - dest[d], dest_row[d]);
         if (!ok)
             return;
         epx_xn_token_write<kUnroll>(s, a, rec, t, peers, dest, dest_row, dest_x, n);
         __syncwarp();
         for (int d = 0; d < n; d++)
             if (dest[d] < 0)
-                epx_xn_ring_stage(-1 - dest[d], dest_row[d], first, pending);
+                epx_xn_ring_put(s, p, -1 - dest[d], dest_row[d]);
         __syncwarp();
     }
-    epx_xn_ring_flush_all(s, p, first, pending);
 }
 
 /*
@@ -163,9 +154,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ char *dest_x[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int32_t dest_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    /* A sender's staged records per node: first index and count. */
-    __shared__ int32_t first[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
-    __shared__ int32_t pending[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
     const int R = s.world_size, N = s.num_nodes;
@@ -183,7 +171,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int warp = epx_warp();
     if (role.kind == EPX_XN_ROLE_SEND)
         epx_xn_ring_send<kUnroll>(s, a, rec, role, peers, bases, dest[warp], dest_row[warp],
-                                  dest_x[warp], first[warp], pending[warp]);
+                                  dest_x[warp]);
     else if (role.kind == EPX_XN_ROLE_RECEIVE)
         epx_xn_ring_forward<kUnroll>(s, a, rec, role, peers, dest[warp], dest_row[warp],
                                      dest_x[warp]);
