@@ -6,6 +6,7 @@
  *   - the tunables table (the EPX_* environment variables: `epx params`, `epx doctor`)
  *   - the communication memory a buffer would take on a group of a given shape,
  *     without forming the group (`epx doctor` plans for ranks it does not start)
+ *   - how internode normal mode lays out such a buffer (`epx bench`, `epx doctor`)
  *   - where the NVSHMEM plugin of low-latency CUDA buffers is (`epx doctor`)
  *   - the fan-out copy of normal-mode dispatch, alone (`epx bench --mode fanout`)
  */
@@ -60,6 +61,41 @@ epx_status_t epx_params_print(FILE *out);
  */
 epx_status_t epx_buffer_size_plan(epx_backend_t backend, int world_size, int ranks_per_node,
                                   const epx_buffer_config_t *config, size_t *bytes_per_rank);
+
+/* ---------------------------------------------------------------- internode normal mode */
+
+/*
+ * How the CUDA backend runs normal mode across nodes (docs/INTERNODE.md) for a buffer of
+ * `config` on `world_size` ranks, `ranks_per_node` per node (two nodes or more), with the
+ * EPX_* settings in force (EPX_XN_RING_TOKENS, EPX_NUM_SMS): its record and partial-sum
+ * slots, whether credits flow, the memory per rank and how the kernels split their
+ * warps. Planning only: no group is formed, no GPU is needed. Outputs are written only
+ * on success; EPX_ERR_UNSUPPORTED when this build has no CUDA backend.
+ */
+typedef struct {
+    size_t size;               /* sizeof(epx_internode_plan_t): set by EPX_INTERNODE_PLAN_INIT */
+    int num_nodes;
+    int credits;               /* 1: rings with credits; 0: slots for the worst case */
+    int64_t slots_per_channel; /* record slots per (rank, node) channel, the same for partial
+                                  sums: the ring, or max_tokens_per_rank */
+    int64_t chunk_tokens;      /* records per put and per credit (0 without credits) */
+    int64_t record_bytes;      /* one record slot: bf16 row, fp8 scales, top-k, rows */
+    int64_t partial_bytes;     /* one partial-sum slot: bf16 row and top-k weights */
+    size_t record_slot_bytes;  /* every record slot of a rank, in and out */
+    size_t partial_slot_bytes; /* every partial-sum slot of a rank, in and out */
+    size_t bytes_per_rank;     /* epx_buffer_size of the config on such a group */
+    int64_t puts_in_flight;    /* most record puts one rank may have in flight to one peer */
+    int num_sms;               /* the SM budget the warp counts below are for */
+    int sender_warps;          /* send tokens (dispatch) / partial sums (combine) */
+    int receiver_warps;        /* forward records (dispatch) / add up own tokens (combine) */
+    int credit_warps;          /* return credits (0 without credits) */
+} epx_internode_plan_t;
+
+#define EPX_INTERNODE_PLAN_INIT                                                            \
+    {sizeof(epx_internode_plan_t), 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}
+
+epx_status_t epx_internode_plan(int world_size, int ranks_per_node,
+                                const epx_buffer_config_t *config, epx_internode_plan_t *plan);
 
 /*
  * Find and load the NVSHMEM plugin (libepx_nvshmem.so) as a low-latency CUDA buffer would

@@ -118,7 +118,10 @@ void epx__log_set_rank(int rank);
       "Low-latency CUDA kernels: 1 = receive packs the rows, 2 = rows placed once by the " \
       "sender (docs/LOW_LATENCY.md)")                                                        \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
-      "Tests: internode puts go in reverse token order, half of them held up to this many ns")
+      "Tests: internode puts go in reverse token order, half of them held up to this many ns") \
+    X(XN_RING_TOKENS, INT, 0, 0, 1048576,                                                   \
+      "Internode normal mode: tokens in flight per (rank, node) channel, 0 or a power of two; " \
+      "0 = slots for the worst case, no credits")
 
 typedef enum {
 #define EPX_PARAM_ENUM_(name, type, def, min, max, doc) EPX_PARAM_##name,

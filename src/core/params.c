@@ -3,8 +3,8 @@
  *
  * The environment is read once, under a mutex, into a cache that the rest of the
  * library reads without locking. Each variable's value is checked as it is read: an
- * integer must be a whole base-10 number in [min, max], a word-valued variable one of
- * its words. A bad value makes epx__params_load fail with EPX_ERR_INVALID_ARG naming
+ * integer must be a whole base-10 number in [min, max] (EPX_XN_RING_TOKENS also 0 or a
+ * power of two), a word-valued variable one of its words. A bad value makes epx__params_load fail with EPX_ERR_INVALID_ARG naming
  * the variable (and leaves that variable at its default, so that the logger and
  * `epx params` still work). Word values are stored lower-case, so readers can compare
  * them with strcmp. An empty variable counts as unset.
@@ -120,6 +120,13 @@ static int epx__param_check(int id, const char *text, int64_t *int_value, char *
         if (errno == ERANGE || value < def->min || value > def->max) {
             snprintf(why, why_size, "%s=%s is out of range; expected an integer in [%" PRId64
                      ", %" PRId64 "]", def->name, text, def->min, def->max);
+            return -1;
+        }
+        /* Ring slots are taken modulo the ring and split into equal chunks. */
+        if (id == EPX_PARAM_XN_RING_TOKENS && (value & (value - 1)) != 0) {
+            snprintf(why, why_size, "%s=%s is not a power of two; expected 0 (slots for the "
+                     "worst case, no credits) or a power of two in [1, %" PRId64 "]",
+                     def->name, text, def->max);
             return -1;
         }
         *int_value = value;

@@ -121,6 +121,10 @@ struct epx__backend_ops {
     /* Bytes one rank allocates for this config. */
     epx_status_t (*buffer_size)(epx_group_t group, const epx_buffer_config_t *config,
                                 size_t *bytes);
+    /* Optional (NULL = none): epx_internode_plan's answer for this config on a group of
+     * this shape (spanning nodes), all but bytes_per_rank, which the caller fills in. */
+    epx_status_t (*internode_plan)(epx_group_t group, const epx_buffer_config_t *config,
+                                   epx_internode_plan_t *plan);
     /* Collective: fill buffer->impl. The generic fields of `buffer` are set. */
     epx_status_t (*buffer_create)(epx_buffer_t buffer);
     /*

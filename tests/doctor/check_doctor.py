@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run `epx doctor` and check its output and exit status.
 
-usage: check_doctor.py EPX json|text|plugin PLUGIN
+usage: check_doctor.py EPX json|text|plugin|internode PLUGIN
 
 PLUGIN is the libepx_nvshmem.so this build made, or "none" when it made none.
 json: the output is one JSON document (json.loads of all of it): "checks", a list of
@@ -13,6 +13,12 @@ text: the checklist has a line per check, the summary, and the same exit status 
 plugin: nvshmem.plugin alone, twice (with --no-smoke): started as `epx` from PATH in
 another directory, so only the build-directory fallback can find PLUGIN; then with
 EPX_NVSHMEM_PLUGIN=/nonexistent, which must give not-present with the fix.
+internode: env.internode (with --no-smoke) lists every NVSHMEM setting of internode
+traffic with its value and the plan (worst-case slots by default, rings with
+EPX_XN_RING_TOKENS), and warns, with a fix naming the setting, for a shallow
+NVSHMEM_QP_DEPTH, NVSHMEM_DISABLE_P2P=1, NVSHMEM_IBGDA_QP_DEPTH alone and an
+EPX_TIMEOUT_MS under a second; EPX_XN_RING_TOKENS=12 fails env.epx. Without the CUDA
+backend the line is a skip.
 Only the standard library is used.
 """
 import json
@@ -32,7 +38,7 @@ KNOWN = [
     "rdma.devices", "rdma.nic_affinity", "rdma.gpudirect", "rdma.gdrcopy",
     "rdma.ibgda_driver_options",
     "nvshmem.library", "nvshmem.plugin", "nvshmem.transports", "nvshmem.bootstrap",
-    "env.epx", "env.nvshmem", "env.buffer_fit", "env.ll_buffer_fit",
+    "env.epx", "env.nvshmem", "env.internode", "env.buffer_fit", "env.ll_buffer_fit",
     "smoke.run", "smoke.dispatch", "smoke.combine",
 ]
 # Always reported, whatever the machine has.
@@ -40,8 +46,8 @@ REQUIRED = [
     "epx.build", "gpu.driver", "gpu.runtime", "gpu.devices", "gpu.links",
     "gpu.peer_access", "gpu.mps", "gpu.ipc", "rdma.devices", "rdma.gdrcopy",
     "rdma.ibgda_driver_options", "nvshmem.library", "nvshmem.plugin", "nvshmem.transports",
-    "nvshmem.bootstrap", "env.epx", "env.nvshmem", "env.buffer_fit", "env.ll_buffer_fit",
-    "smoke.run",
+    "nvshmem.bootstrap", "env.epx", "env.nvshmem", "env.internode", "env.buffer_fit",
+    "env.ll_buffer_fit", "smoke.run",
 ]
 
 
@@ -238,14 +244,72 @@ def check_plugin(epx, plugin):
           % (found["status"], found["detail"].split("\n")[0], missing["status"]))
 
 
+def internode_line(epx, extra_env):
+    _, out, err = run(epx, ["--json", "--no-smoke"], extra_env)
+    objects, _ = read_json(out, err)
+    return objects, find_check(objects, "env.internode")
+
+
+def check_internode(epx):
+    """env.internode: every setting with its value, and a warning for each known bad one."""
+    objects, line = internode_line(epx, {"NVSHMEM_QP_DEPTH": "4096"})
+    for text in ("internode normal mode, 8 ranks as 2 nodes x 4, 4096 tokens/rank",
+                 "NVSHMEM_IB_ENABLE_IBGDA=", "NVSHMEM_IBGDA_NUM_RC_PER_PE=",
+                 "NVSHMEM_QP_DEPTH=4096", "NVSHMEM_DISABLE_P2P=", "NVSHMEM_DISABLE_NVLS=",
+                 "EPX_TIMEOUT_MS=30000"):
+        if text not in line["detail"]:
+            fail("env.internode lacks %r: %r" % (text, line))
+    cuda = cuda_built(objects)
+    if not cuda:
+        # Nothing to plan without the CUDA backend: skip, with the reason.
+        if line["status"] != "skip" or "CUDA backend" not in line["detail"]:
+            fail("no CUDA backend, but env.internode says %r" % line)
+        print("check_doctor: internode: skip without the CUDA backend")
+        return
+    if "slots for the worst case, 4096 tokens per (rank, node) channel" not in line["detail"]:
+        fail("env.internode does not describe the default plan: %r" % line)
+    cases = [
+        ({"EPX_XN_RING_TOKENS": "16", "NVSHMEM_QP_DEPTH": "4096",
+          "NVSHMEM_DISABLE_NVLS": "1"}, None,
+         "rings of 16 tokens per (rank, node) channel, chunks of 4"),
+        ({"NVSHMEM_QP_DEPTH": "64"}, "NVSHMEM_QP_DEPTH", "shallower than"),
+        ({"NVSHMEM_DISABLE_P2P": "1"}, "unset NVSHMEM_DISABLE_P2P", "is refused"),
+        ({"NVSHMEM_IBGDA_QP_DEPTH": "2048"}, "NVSHMEM_QP_DEPTH",
+         "is not read by NVSHMEM 3"),
+        ({"EPX_TIMEOUT_MS": "100"}, "EPX_TIMEOUT_MS", "under a second"),
+    ]
+    for extra, fix, detail in cases:
+        _, line = internode_line(epx, extra)
+        if detail not in line["detail"]:
+            fail("with %r env.internode lacks %r: %r" % (extra, detail, line))
+        if fix is None:
+            if line["status"] == "warn" and "problem:" in line["detail"]:
+                # Only machine facts (NVLS, several ranks on a GPU) may warn here.
+                if "NVLS" not in line["detail"].split("problem:", 1)[1]:
+                    fail("with %r env.internode warns: %r" % (extra, line))
+        elif line["status"] != "warn" or fix not in line["fix"]:
+            fail("with %r env.internode should warn with a fix naming %r: %r"
+                 % (extra, fix, line))
+    # A bad ring size is refused by the tunables table: env.epx fails, naming it.
+    returncode, out, err = run(epx, ["--json", "--no-smoke"], {"EPX_XN_RING_TOKENS": "12"})
+    objects, _ = read_json(out, err)
+    bad = find_check(objects, "env.epx")
+    if bad["status"] != "fail" or "EPX_XN_RING_TOKENS=12" not in bad["detail"] \
+            or "power of two" not in bad["detail"] or returncode != 1:
+        fail("EPX_XN_RING_TOKENS=12 should fail env.epx (exit 1): %r" % bad)
+    print("check_doctor: internode: %d settings cases and a bad ring size" % len(cases))
+
+
 def main():
-    if len(sys.argv) != 4 or sys.argv[2] not in ("json", "text", "plugin"):
-        fail("usage: check_doctor.py EPX json|text|plugin PLUGIN")
+    if len(sys.argv) != 4 or sys.argv[2] not in ("json", "text", "plugin", "internode"):
+        fail("usage: check_doctor.py EPX json|text|plugin|internode PLUGIN")
     epx, mode, plugin = sys.argv[1:]
     if mode == "json":
         check_json(epx, plugin)
     elif mode == "text":
         check_text(epx)
+    elif mode == "internode":
+        check_internode(epx)
     else:
         check_plugin(epx, plugin)
 

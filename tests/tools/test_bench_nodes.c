@@ -1,7 +1,8 @@
 /*
  * The expected traffic across nodes that `epx bench --ranks-per-node` prints
  * (tools/bench/bench_nodes.c), on a routing small enough to count by hand: 4 ranks in 2 nodes
- * {0, 1} {2, 3}, 8 experts (rank r holds experts 2r and 2r + 1), top-3, hidden 256.
+ * {0, 1} {2, 3}, 8 experts (rank r holds experts 2r and 2r + 1), top-3, hidden 256; and
+ * the lines of the internode plan (memory, warps).
  */
 #include <stdio.h>
 #include <string.h>
@@ -148,11 +149,76 @@ static void check_report(void)
     CHECK(strstr(text, "\"network_bytes_per_token\":null") != NULL);
 }
 
+/* What print_plan writes for `plan`, in `text`. */
+static void print_plan_to(const epx_internode_plan_t *plan, int json, char *text, size_t size)
+{
+    FILE *file = tmpfile();
+    CHECK(file != NULL);
+    epx__bench_nodes_print_plan(file, plan, json);
+    rewind(file);
+    size_t got = fread(text, 1, size - 1, file);
+    text[got] = '\0';
+    fclose(file);
+}
+
+/* The internode plan lines: memory and the warp split, worst case and rings. */
+static void check_plan(void)
+{
+    epx_internode_plan_t plan = EPX_INTERNODE_PLAN_INIT;
+    plan.num_nodes = 2;
+    plan.slots_per_channel = 4096;
+    plan.record_bytes = 14688;
+    plan.partial_bytes = 14368;
+    plan.record_slot_bytes = 240648192;
+    plan.partial_slot_bytes = 235405312;
+    plan.bytes_per_rank = (size_t)3 << 30;
+    plan.puts_in_flight = 256;
+    plan.num_sms = 16;
+    plan.sender_warps = 256;
+    plan.receiver_warps = 256;
+    char text[2048];
+    print_plan_to(&plan, 0, text, sizeof text);
+    static const char *const worst[] = {
+        "# internode memory per rank: 3.00 GiB", "record slots 229.50 MiB",
+        "partial-sum slots 224.50 MiB", "4096 tokens per (rank, node) channel, the worst case, "
+        "no credits", "(16 SMs): all 256 send, then forward", "256 puts in flight per peer"};
+    for (size_t i = 0; i < sizeof worst / sizeof worst[0]; i++)
+        if (strstr(text, worst[i]) == NULL)
+            TEST_FAIL("plan text lacks '%s': %s", worst[i], text);
+
+    plan.credits = 1;
+    plan.slots_per_channel = 16;
+    plan.chunk_tokens = 4;
+    plan.sender_warps = 127;
+    plan.receiver_warps = 128;
+    plan.credit_warps = 1;
+    plan.puts_in_flight = 16;
+    print_plan_to(&plan, 0, text, sizeof text);
+    static const char *const ring[] = {
+        "rings of 16 tokens per (rank, node) channel (EPX_XN_RING_TOKENS), chunks of 4, "
+        "credits back", "127 senders, 128 receivers", "1 credit warp",
+        "16 puts in flight per peer"};
+    for (size_t i = 0; i < sizeof ring / sizeof ring[0]; i++)
+        if (strstr(text, ring[i]) == NULL)
+            TEST_FAIL("plan text lacks '%s': %s", ring[i], text);
+    print_plan_to(&plan, 1, text, sizeof text);
+    static const char *const json[] = {
+        "{\"mode\":\"normal\",\"internode_plan\":true,\"nodes\":2,\"credits\":1",
+        "\"slots_per_channel\":16,\"chunk_tokens\":4", "\"record_slot_bytes\":240648192",
+        "\"buffer_bytes_per_rank\":3221225472", "\"sender_warps\":127,\"receiver_warps\":128,"
+        "\"credit_warps\":1,\"puts_in_flight\":16}\n"};
+    for (size_t i = 0; i < sizeof json / sizeof json[0]; i++)
+        if (strstr(text, json[i]) == NULL)
+            TEST_FAIL("plan JSON lacks %s: %s", json[i], text);
+    CHECK(strstr(text, "\"op\"") == NULL); /* not a timed row */
+}
+
 int main(void)
 {
     check_counts();
     check_sizes();
     check_report();
+    check_plan();
     printf("test_bench_nodes: ok\n");
     return 0;
 }

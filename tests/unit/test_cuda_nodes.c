@@ -1,8 +1,9 @@
 /*
  * CUDA buffers on groups that span nodes, without a GPU: the node count, the internode
- * regions of the memory plan (count messages, record and partial-sum slots) lie inside
- * the shared allocation without overlapping, the handle slot holds the internode routing,
- * and epx_buffer_size reports the whole of it.
+ * regions of the memory plan (count messages, record and partial-sum slots, as worst-case
+ * slots and as rings with their counters) lie inside the shared allocation without
+ * overlapping, the handle slot holds the internode routing, and epx_buffer_size reports
+ * the whole of it.
  */
 #include <stdio.h>
 
@@ -114,6 +115,89 @@ static void check_plan(void)
     CHECK(routing.node_pos == NULL && routing.fwd_rows == NULL);
 }
 
+/*
+ * EPX_XN_RING_TOKENS = C below max_tokens_per_rank: every record and partial-sum region
+ * is [N][C], chunks of a quarter of the ring (at most 16), and the rings' counters
+ * follow them; the plan with a ring is smaller by what the slots shrink. A ring of T or
+ * more, or none, is the worst-case plan.
+ */
+static void check_ring_plan(void)
+{
+    epx_buffer_config_t c = make_config(0);
+    c.hidden = 7168;
+    struct epx_group two = make_group(5, 8, 4);
+    epx__cuda_shape_t worst, ring;
+    size_t slot_worst = 0, slot_ring = 0;
+    unsetenv("EPX_XN_RING_TOKENS");
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
+    CHECK_OK(epx__cuda_plan(&two, &c, &worst, &slot_worst));
+    CHECK_EQ_INT(worst.xn_ring, 0);
+    CHECK_EQ_INT(worst.xn_chunk, 0);
+    CHECK_EQ_INT(worst.off_xn_ring, 0);
+
+    setenv("EPX_XN_RING_TOKENS", "16", 1);
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
+    CHECK_OK(epx__cuda_plan(&two, &c, &ring, &slot_ring));
+    int64_t N = 2, C = 16, G = 4, B = C / G;
+    CHECK_EQ_INT(ring.xn_ring, C);
+    CHECK_EQ_INT(ring.xn_chunk, G);
+    CHECK_EQ_INT(ring.xn_record_pitch, worst.xn_record_pitch);
+    CHECK_EQ_INT(ring.off_xn_inbox, worst.off_xn_inbox);
+    /* The handle's routing still holds every record (combine reads it). */
+    CHECK_EQ_INT(slot_ring, slot_worst);
+    epx__cuda_xn_ring_layout_t l = epx__cuda_xn_ring_layout(N, B);
+    CHECK_EQ_INT(l.dispatch_arrived, 0);
+    CHECK_EQ_INT(l.combine_arrived, N * B * 8);
+    CHECK_EQ_INT(l.dispatch_credit, 2 * N * B * 8);
+    CHECK_EQ_INT(l.combine_done, l.dispatch_done + N * B * 4);
+    CHECK_EQ_INT(l.bytes, 2 * N * B * 8 + 4 * N * 8 + 2 * N * B * 4);
+    int64_t prev = ring.off_xn_inbox, end = ring.shared_bytes;
+    check_region(ring.off_xn_inbox, N * C * ring.xn_record_pitch, &prev, end);
+    check_region(ring.off_xn_outbox, N * C * ring.xn_record_pitch, &prev, end);
+    check_region(ring.off_xn_partial_in, N * C * ring.xn_partial_pitch, &prev, end);
+    check_region(ring.off_xn_partial_out, N * C * ring.xn_partial_pitch, &prev, end);
+    check_region(ring.off_xn_ring, l.bytes, &prev, end);
+    CHECK_EQ_INT(ring.shared_bytes % (1 << 21), 0);
+    CHECK(ring.shared_bytes < worst.shared_bytes);
+
+    /* Chunks: 1 for the smallest rings, 16 for large ones. */
+    static const struct {
+        const char *value;
+        int64_t ring, chunk;
+    } cases[] = {{"1", 1, 1}, {"2", 2, 1}, {"4", 4, 1}, {"8", 8, 2}, {"32", 32, 8},
+                 {"64", 0, 0}, {"1024", 0, 0}, {"0", 0, 0}};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        setenv("EPX_XN_RING_TOKENS", cases[i].value, 1);
+        epx__params_reset();
+        CHECK_OK(epx__params_load());
+        epx__cuda_shape_t s;
+        size_t slot = 0;
+        CHECK_OK(epx__cuda_plan(&two, &c, &s, &slot));
+        CHECK_EQ_INT(s.xn_ring, cases[i].ring); /* T = 64: a ring of 64 is no ring */
+        CHECK_EQ_INT(s.xn_chunk, cases[i].chunk);
+        if (cases[i].ring == 0)
+            CHECK_EQ_INT(s.shared_bytes, worst.shared_bytes);
+    }
+    /* Large T: chunks stop at 16. */
+    c.max_tokens_per_rank = 4096;
+    setenv("EPX_XN_RING_TOKENS", "256", 1);
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
+    CHECK_OK(epx__cuda_plan(&two, &c, &ring, &slot_ring));
+    CHECK_EQ_INT(ring.xn_ring, 256);
+    CHECK_EQ_INT(ring.xn_chunk, 16);
+    /* One node: no internode regions, whatever the setting. */
+    struct epx_group one = make_group(5, 8, 8);
+    CHECK_OK(epx__cuda_plan(&one, &c, &ring, &slot_ring));
+    CHECK_EQ_INT(ring.num_nodes, 1);
+    CHECK_EQ_INT(ring.xn_ring, 0);
+    unsetenv("EPX_XN_RING_TOKENS");
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
+}
+
 static void check_sizes(void)
 {
     struct epx_group one = make_group(1, 4, 4), two = make_group(1, 4, 2);
@@ -142,6 +226,7 @@ int main(void)
 {
     check_nodes();
     check_plan();
+    check_ring_plan();
     check_sizes();
     printf("test_cuda_nodes: ok\n");
     return 0;

@@ -51,6 +51,17 @@ static void test_overrides(void)
     CHECK(strcmp(epx__param_string(EPX_PARAM_BACKEND), "host") == 0);
     CHECK(strcmp(epx__param_string(EPX_PARAM_LOG_SUBSYS), "core, ops") == 0);
     CHECK(strcmp(epx__param_string(EPX_PARAM_UNIQUE_ID), "10.0.0.1:1234:abcd") == 0);
+    CHECK_EQ_INT(epx__param_int(EPX_PARAM_XN_RING_TOKENS), 0);
+    static const char *const rings[] = {"0", "1", "16", "1048576"};
+    for (int i = 0; i < 4; i++) {
+        setenv("EPX_XN_RING_TOKENS", rings[i], 1);
+        epx__params_reset();
+        CHECK_OK(epx__params_load());
+        CHECK_EQ_INT(epx__param_int(EPX_PARAM_XN_RING_TOKENS), atoll(rings[i]));
+    }
+    unsetenv("EPX_XN_RING_TOKENS");
+    epx__params_reset();
+    CHECK_OK(epx__params_load());
 
     /* The cache holds until reset, even when the environment changes. */
     setenv("EPX_TIMEOUT_MS", "7000", 1);
@@ -99,6 +110,12 @@ static void test_bad_values(void)
                     "core, bootstrap, transport, ops, tools, all");
     expect_rejected("EPX_LOG_SUBSYS", "core,,ops", "unknown subsystem", NULL);
     expect_rejected("EPX_BACKEND", "gpu", "auto, host, cuda", NULL);
+    /* The internode ring: 0 or a power of two, within range. */
+    expect_rejected("EPX_XN_RING_TOKENS", "3", "not a power of two", "[1, 1048576]");
+    expect_rejected("EPX_XN_RING_TOKENS", "96", "not a power of two", "0 (slots for the");
+    expect_rejected("EPX_XN_RING_TOKENS", "-16", "out of range", "[0, 1048576]");
+    expect_rejected("EPX_XN_RING_TOKENS", "2097152", "out of range", "[0, 1048576]");
+    expect_rejected("EPX_XN_RING_TOKENS", "16k", "not an integer", NULL);
 
     char long_value[1500];
     memset(long_value, 'x', sizeof(long_value) - 1);

@@ -1,7 +1,7 @@
 /*
  * The tool support API (include/epx_tool.h): the tunables table read through it, buffer
- * planning for a group that is not formed, and the NVSHMEM plugin probe; every bad
- * argument refused.
+ * planning for a group that is not formed, internode normal mode's plan (worst-case
+ * slots and rings), and the NVSHMEM plugin probe; every bad argument refused.
  */
 #include <limits.h>
 #include <stdio.h>
@@ -122,6 +122,122 @@ static void test_buffer_size_plan(void)
     CHECK_EQ_INT((long long)untouched, 12345);
 }
 
+/* The internode plan of the standard case (4096 x 7168, top-8 of 256, 16 SMs) on 2 x 4
+ * ranks, with EPX_XN_RING_TOKENS = `ring` ("" = unset). */
+static epx_status_t standard_plan(const char *ring, epx_internode_plan_t *plan)
+{
+    if (ring[0] != '\0')
+        setenv("EPX_XN_RING_TOKENS", ring, 1);
+    else
+        unsetenv("EPX_XN_RING_TOKENS");
+    epx__params_reset();
+    CHECK_OK(epx_params_load());
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = 4096;
+    config.hidden = 7168;
+    config.num_experts = 256;
+    config.num_topk = 8;
+    config.num_sms = 16;
+    return epx_internode_plan(8, 4, &config, plan);
+}
+
+static void test_internode_plan(void)
+{
+    unset_epx_environment();
+    epx_internode_plan_t worst = EPX_INTERNODE_PLAN_INIT;
+#ifdef EPX_WITH_CUDA
+    CHECK_OK(standard_plan("", &worst));
+    /* A record: bf16 row, 56 fp32 scales, 8 int64 ids, 8 fp32 weights, 4 int32 rows. */
+    const int64_t record = 7168 * 2 + 56 * 4 + 8 * 8 + 8 * 4 + 4 * 4;
+    const int64_t partial = 7168 * 2 + 8 * 4;
+    CHECK_EQ_INT(worst.num_nodes, 2);
+    CHECK_EQ_INT(worst.credits, 0);
+    CHECK_EQ_INT(worst.slots_per_channel, 4096);
+    CHECK_EQ_INT(worst.chunk_tokens, 0);
+    CHECK_EQ_INT(worst.record_bytes, record);
+    CHECK_EQ_INT(worst.partial_bytes, partial);
+    CHECK_EQ_INT(worst.record_slot_bytes, 2 * 2 * 4096 * record);
+    CHECK_EQ_INT(worst.partial_slot_bytes, 2 * 2 * 4096 * partial);
+    CHECK_EQ_INT(worst.num_sms, 16);
+    CHECK_EQ_INT(worst.sender_warps, 256);
+    CHECK_EQ_INT(worst.receiver_warps, 256);
+    CHECK_EQ_INT(worst.credit_warps, 0);
+    CHECK_EQ_INT(worst.puts_in_flight, 256);
+
+    /* A ring of 64: the same record, 64 slots per channel, chunks of 16, one credit warp,
+     * and the bytes per rank drop by what the slots shrink (up to the 2 MiB rounding and
+     * the credit counters). */
+    epx_internode_plan_t ring = EPX_INTERNODE_PLAN_INIT;
+    CHECK_OK(standard_plan("64", &ring));
+    CHECK_EQ_INT(ring.credits, 1);
+    CHECK_EQ_INT(ring.slots_per_channel, 64);
+    CHECK_EQ_INT(ring.chunk_tokens, 16);
+    CHECK_EQ_INT(ring.record_bytes, record);
+    CHECK_EQ_INT(ring.record_slot_bytes, 2 * 2 * 64 * record);
+    CHECK_EQ_INT(ring.partial_slot_bytes, 2 * 2 * 64 * partial);
+    CHECK_EQ_INT(ring.receiver_warps, 128);
+    CHECK_EQ_INT(ring.sender_warps, 127);
+    CHECK_EQ_INT(ring.credit_warps, 1);
+    CHECK_EQ_INT(ring.puts_in_flight, 64);
+    size_t saved = (worst.record_slot_bytes + worst.partial_slot_bytes) -
+                   (ring.record_slot_bytes + ring.partial_slot_bytes);
+    CHECK(worst.bytes_per_rank > ring.bytes_per_rank);
+    CHECK(worst.bytes_per_rank - ring.bytes_per_rank + (4 << 20) >= saved);
+    CHECK(worst.bytes_per_rank - ring.bytes_per_rank <= saved + (4 << 20));
+
+    /* Chunks: a quarter of the ring, 1 to 16 records. */
+    CHECK_OK(standard_plan("16", &ring));
+    CHECK_EQ_INT(ring.chunk_tokens, 4);
+    CHECK_EQ_INT(ring.puts_in_flight, 16);
+    CHECK_OK(standard_plan("1", &ring));
+    CHECK_EQ_INT(ring.slots_per_channel, 1);
+    CHECK_EQ_INT(ring.chunk_tokens, 1);
+    CHECK_OK(standard_plan("2048", &ring));
+    CHECK_EQ_INT(ring.chunk_tokens, 16);
+    /* A ring of max_tokens_per_rank or more never wraps: the worst-case slots. */
+    CHECK_OK(standard_plan("4096", &ring));
+    CHECK_EQ_INT(ring.credits, 0);
+    CHECK_EQ_INT(ring.slots_per_channel, 4096);
+    CHECK_EQ_INT(ring.bytes_per_rank, worst.bytes_per_rank);
+
+    /* A bad value of the setting is refused when the table is read, naming it. */
+    setenv("EPX_XN_RING_TOKENS", "48", 1);
+    epx__params_reset();
+    CHECK_STATUS(epx_params_load(), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("EPX_XN_RING_TOKENS=48");
+    CHECK_ERROR_MENTIONS("power of two");
+    unset_epx_environment();
+    epx__params_reset();
+    CHECK_OK(epx_params_load());
+
+    /* Refusals, nothing written. */
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = 64;
+    config.hidden = 256;
+    config.num_experts = 16;
+    config.num_topk = 4;
+    epx_internode_plan_t plan = EPX_INTERNODE_PLAN_INIT;
+    CHECK_OK(epx_internode_plan(4, 2, &config, &plan));
+    epx_internode_plan_t before = plan;
+    CHECK_STATUS(epx_internode_plan(8, 8, &config, &plan), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("two nodes");
+    CHECK_STATUS(epx_internode_plan(8, 0, &config, &plan), EPX_ERR_INVALID_ARG);
+    CHECK_STATUS(epx_internode_plan(8, 3, &config, &plan), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("ranks_per_node");
+    CHECK_STATUS(epx_internode_plan(8, 2, NULL, &plan), EPX_ERR_INVALID_ARG);
+    config.num_experts = 12; /* not a multiple of 8 ranks */
+    CHECK_STATUS(epx_internode_plan(8, 2, &config, &plan), EPX_ERR_INVALID_ARG);
+    CHECK(memcmp(&before, &plan, sizeof(plan)) == 0);
+    CHECK_STATUS(epx_internode_plan(8, 2, &config, NULL), EPX_ERR_INVALID_ARG);
+    plan.size = sizeof(plan) - 8;
+    CHECK_STATUS(epx_internode_plan(4, 2, &config, &plan), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("EPX_INTERNODE_PLAN_INIT");
+#else
+    CHECK_STATUS(standard_plan("", &worst), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("CUDA backend");
+#endif
+}
+
 static void test_plugin_probe(void)
 {
     char path[PATH_MAX];
@@ -148,6 +264,7 @@ int main(void)
 {
     test_params();
     test_buffer_size_plan();
+    test_internode_plan();
     test_plugin_probe();
     printf("test_tool_api: ok\n");
     return 0;

@@ -423,8 +423,8 @@ static int run_normal(epx_group_t group, const epx__bench_options_t *o,
                 epx__bench_print_row(stdout, context, &rows[op], o->json);
         }
         if (nodes) {
-            epx__bench_nodes_report(group, o->tokens, o->hidden, o->experts, o->topk, o->seed,
-                                    dtypes[d], o->json, !explained);
+            epx__bench_nodes_report(group, o->tokens, o->hidden, o->experts, o->topk, o->sms,
+                                    o->seed, dtypes[d], o->json, !explained);
             explained = 1;
         }
     }

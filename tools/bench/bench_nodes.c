@@ -109,6 +109,50 @@ static const char *op_name(epx__bench_nodes_op_t op)
     return op == EPX__BENCH_NODES_DISPATCH ? "dispatch" : "combine";
 }
 
+void epx__bench_nodes_print_plan(FILE *out, const epx_internode_plan_t *plan, int json)
+{
+    if (json) {
+        fprintf(out,
+                "{\"mode\":\"normal\",\"internode_plan\":true,\"nodes\":%d,\"credits\":%d,"
+                "\"slots_per_channel\":%lld,\"chunk_tokens\":%lld,\"record_bytes\":%lld,"
+                "\"partial_bytes\":%lld,\"record_slot_bytes\":%lld,\"partial_slot_bytes\":%lld,"
+                "\"buffer_bytes_per_rank\":%lld,\"sms\":%d,\"sender_warps\":%d,"
+                "\"receiver_warps\":%d,\"credit_warps\":%d,\"puts_in_flight\":%lld}\n",
+                plan->num_nodes, plan->credits, (long long)plan->slots_per_channel,
+                (long long)plan->chunk_tokens, (long long)plan->record_bytes,
+                (long long)plan->partial_bytes, (long long)plan->record_slot_bytes,
+                (long long)plan->partial_slot_bytes, (long long)plan->bytes_per_rank,
+                plan->num_sms, plan->sender_warps, plan->receiver_warps, plan->credit_warps,
+                (long long)plan->puts_in_flight);
+        return;
+    }
+    char total[32], records[32], partials[32];
+    epx__bench_format_bytes((int64_t)plan->bytes_per_rank, total, sizeof(total));
+    epx__bench_format_bytes((int64_t)plan->record_slot_bytes, records, sizeof(records));
+    epx__bench_format_bytes((int64_t)plan->partial_slot_bytes, partials, sizeof(partials));
+    fprintf(out, "# internode memory per rank: %s (epx_buffer_size), of it record slots %s and "
+                 "partial-sum slots %s: ",
+            total, records, partials);
+    if (plan->credits)
+        fprintf(out, "rings of %lld tokens per (rank, node) channel (EPX_XN_RING_TOKENS), "
+                     "chunks of %lld, credits back\n",
+                (long long)plan->slots_per_channel, (long long)plan->chunk_tokens);
+    else
+        fprintf(out, "%lld tokens per (rank, node) channel, the worst case, no credits\n",
+                (long long)plan->slots_per_channel);
+    if (plan->credits)
+        fprintf(out, "# internode warps per rank (%d SMs): %d senders, %d receivers (dispatch: "
+                     "forward records; combine: add up own tokens), %d credit warp; at most "
+                     "%lld puts in flight per peer\n",
+                plan->num_sms, plan->sender_warps, plan->receiver_warps, plan->credit_warps,
+                (long long)plan->puts_in_flight);
+    else
+        fprintf(out, "# internode warps per rank (%d SMs): all %d send, then forward (dispatch) "
+                     "or add up own tokens (combine); at most %lld puts in flight per peer\n",
+                plan->num_sms, plan->sender_warps, (long long)plan->puts_in_flight);
+    fflush(out);
+}
+
 void epx__bench_nodes_print_header(FILE *out, const epx__bench_nodes_shape_t *shape,
                                    int explain)
 {

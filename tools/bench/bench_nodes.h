@@ -18,6 +18,7 @@
 #include <stdio.h>
 
 #include "epx.h"
+#include "epx_tool.h"
 
 typedef struct {
     int world_size;
@@ -81,12 +82,22 @@ void epx__bench_nodes_print_row(FILE *out, const epx__bench_nodes_shape_t *shape
                                 const epx__bench_nodes_row_t *row, int json);
 
 /*
+ * How the CUDA backend lays out the run's internode normal mode (epx_internode_plan):
+ * memory per rank (record and partial-sum slots, worst case or rings with credits) and
+ * the split of the SM budget between sender, receiver and credit warps. Two comment
+ * lines, or one JSON object ("internode_plan": true).
+ */
+void epx__bench_nodes_print_plan(FILE *out, const epx_internode_plan_t *plan, int json);
+
+/*
  * Collective (tools/bench/bench_nodes_run.c): count this rank's routing of the run (made from
  * the seed, as the timed case makes it), gather every rank's counts, and print dispatch
  * and combine on rank 0 (`json`: JSON lines; else a table, with what its figures mean
- * when `explain`). Ends the process on failure, like the rest of the bench.
+ * when `explain`), after the internode plan of a CUDA group (when `explain`: once per
+ * run). Ends the process on failure, like the rest of the bench.
  */
 void epx__bench_nodes_report(epx_group_t group, int64_t tokens, int64_t hidden, int experts,
-                             int topk, uint64_t seed, epx_dtype_t dtype, int json, int explain);
+                             int topk, int sms, uint64_t seed, epx_dtype_t dtype, int json,
+                             int explain);
 
 #endif /* EPX_TOOLS_BENCH_NODES_H */

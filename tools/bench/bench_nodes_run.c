@@ -1,7 +1,8 @@
 /*
  * `epx bench` across nodes, the collective part: every rank counts the traffic of its own
  * tokens (bench_nodes.c) on the routing the timed case uses, rank 0 gathers the counts
- * and prints the expected figures for dispatch and combine.
+ * and prints the expected figures for dispatch and combine, after the CUDA backend's
+ * internode plan of the buffer (memory, warps).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,8 +11,30 @@
 #include "bench_nodes.h"
 #include "moe_case.h"
 
+/* The CUDA backend's internode plan of the run's buffer, on rank 0, once per run. */
+static void report_plan(const epx_group_info_t *info, int64_t tokens, int64_t hidden,
+                        int experts, int topk, int sms, epx_dtype_t dtype, int json)
+{
+    if (info->backend != EPX_BACKEND_CUDA)
+        return;
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = tokens;
+    config.hidden = hidden;
+    config.num_experts = experts;
+    config.num_topk = topk;
+    config.num_sms = sms;
+    config.dispatch_dtype = dtype;
+    epx_internode_plan_t plan = EPX_INTERNODE_PLAN_INIT;
+    if (epx_internode_plan(info->world_size, info->ranks_per_node, &config, &plan) ==
+        EPX_SUCCESS)
+        epx__bench_nodes_print_plan(stdout, &plan, json);
+    else if (!json)
+        printf("# internode plan: unknown (%s)\n", epx_last_error());
+}
+
 void epx__bench_nodes_report(epx_group_t group, int64_t tokens, int64_t hidden, int experts,
-                             int topk, uint64_t seed, epx_dtype_t dtype, int json, int explain)
+                             int topk, int sms, uint64_t seed, epx_dtype_t dtype, int json,
+                             int explain)
 {
     epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
@@ -44,6 +67,8 @@ void epx__bench_nodes_report(epx_group_t group, int64_t tokens, int64_t hidden, 
             total.home_rows += all[r].home_rows;
             total.forwarded_rows += all[r].forwarded_rows;
         }
+        if (explain)
+            report_plan(&info, tokens, hidden, experts, topk, sms, dtype, json);
         if (!json)
             epx__bench_nodes_print_header(stdout, &shape, explain);
         const epx__bench_nodes_op_t ops[] = {EPX__BENCH_NODES_DISPATCH, EPX__BENCH_NODES_COMBINE};

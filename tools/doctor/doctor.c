@@ -26,7 +26,8 @@ static const char doctor_usage[] =
     "CUDA versions, NVLink/PCIe pairs, CUDA IPC between two processes, CUDA MPS,\n"
     "NVSHMEM (library, plugins, a two-process unique-id bootstrap), RDMA NICs and their\n"
     "placement, GPUDirect RDMA, the driver options IBGDA needs, the EPX_* and NVSHMEM_*\n"
-    "settings in force, whether the buffer fits, and a short checked dispatch/combine run.\n"
+    "settings in force (those of internode traffic against the buffer's plan), whether\n"
+    "the buffer fits, and a short checked dispatch/combine run.\n"
     "Each line is pass, warn, fail, not-present or skip, with a one-sentence fix.\n"
     "Exit status 0 when nothing fails, 1 otherwise. docs/DEPLOYMENT.md explains each line.\n"
     "\n"
@@ -35,6 +36,8 @@ static const char doctor_usage[] =
     "                   \"fix\"}, ...], \"summary\": {counts per status, \"exit_status\"}}\n"
     "  --ranks N        ranks to plan for (smoke run, MPS and buffer checks); default: one\n"
     "                   per GPU, 2 on one GPU or on the CPU backend (8 for the buffer check)\n"
+    "  --ranks-per-node N  ranks per node of the internode check (env.internode); default:\n"
+    "                   EPX_RANKS_PER_NODE when it splits the ranks, else half of them\n"
     "  --tokens N       max tokens per rank of the buffer to check (4096)\n"
     "  --hidden N       hidden size of the buffer to check (7168)\n"
     "  --experts N      experts over all ranks (256)\n"
@@ -73,6 +76,12 @@ static int parse_options(int argc, char **argv, epx__doctor_context_t *context, 
             if (matched < 0 || epx__parse_int64(value, 1, 1 << 16, &number) != 0)
                 return usage_error("--ranks needs a number of ranks >= 1, got '%s'", value);
             context->ranks = (int)number;
+        } else if ((matched = epx__match_value(argc, argv, &i, "--ranks-per-node", &value)) !=
+                   0) {
+            if (matched < 0 || epx__parse_int64(value, 1, 1 << 16, &number) != 0)
+                return usage_error("--ranks-per-node needs a number of ranks >= 1, got '%s'",
+                                   value);
+            context->ranks_per_node = (int)number;
         } else if ((matched = epx__match_value(argc, argv, &i, "--tokens", &value)) != 0) {
             if (matched < 0 || epx__parse_int64(value, 1, 1 << 24, &context->tokens) != 0)
                 return usage_error("--tokens needs a number >= 1, got '%s'", value);

@@ -7,7 +7,7 @@
  *   gpu.driver gpu.runtime gpu.devices gpu.links gpu.peer_access gpu.ipc gpu.mps
  *   nvshmem.library nvshmem.plugin nvshmem.transports nvshmem.bootstrap
  *   rdma.devices rdma.nic_affinity rdma.gpudirect rdma.gdrcopy rdma.ibgda_driver_options
- *   env.epx env.nvshmem env.buffer_fit
+ *   env.epx env.nvshmem env.internode env.buffer_fit
  *   smoke.run smoke.dispatch smoke.combine
  */
 #ifndef EPX_TOOLS_DOCTOR_CHECKS_H
@@ -43,6 +43,7 @@ typedef struct {
 typedef struct {
     /* Options. */
     int ranks;        /* --ranks: ranks for the smoke run and the buffer check; 0 = choose */
+    int ranks_per_node; /* --ranks-per-node for env.internode; 0 = EPX_RANKS_PER_NODE or half */
     int run_smoke;    /* 0 with --no-smoke */
     int64_t tokens;   /* the buffer the user asks about (default: the standard case) */
     int64_t hidden;

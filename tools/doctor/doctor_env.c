@@ -1,7 +1,8 @@
 /*
  * `epx doctor` settings checks: the EPX_* tunables in force (the library's one table,
  * read through include/epx_tool.h), the NVSHMEM_* variables that decide whether and how fast
- * NVSHMEM runs, and whether the buffer the user plans (the standard case unless told)
+ * NVSHMEM runs, those that govern internode traffic against the buffer's internode plan
+ * (env.internode), and whether the buffer the user plans (the standard case unless told)
  * fits in GPU memory, or in /dev/shm on the CPU backend.
  */
 #include <stdio.h>
@@ -14,6 +15,7 @@
 #include "common/tool.h"
 #include "doctor_checks.h"
 #include "doctor_child.h"
+#include "doctor_internode.h"
 #include "doctor_parse.h"
 
 #define NVSHMEM_DEFAULT_HEAP ((uint64_t)1 << 30)
@@ -160,6 +162,55 @@ static void check_nvshmem_env(epx__doctor_report_t *report, const epx__doctor_co
     epx__doctor_add(report, "env.nvshmem", EPX__DOCTOR_PASS, NULL, "%s", detail);
 }
 
+/* ---------------------------------------------------------------- internode traffic */
+
+/*
+ * env.internode: the NVSHMEM and EPX_* settings of internode normal mode against the
+ * plan of the buffer the user asks about (doctor_internode.c judges). Planning needs no
+ * GPU and starts nothing, so it runs here, not in a child.
+ */
+static void check_internode(epx__doctor_report_t *report, const epx__doctor_context_t *context)
+{
+    epx__doctor_internode_in_t in;
+    memset(&in, 0, sizeof(in));
+    in.ib_enable_ibgda = getenv("NVSHMEM_IB_ENABLE_IBGDA");
+    in.ibgda_num_rc_per_pe = getenv("NVSHMEM_IBGDA_NUM_RC_PER_PE");
+    in.qp_depth = getenv("NVSHMEM_QP_DEPTH");
+    in.ibgda_qp_depth = getenv("NVSHMEM_IBGDA_QP_DEPTH");
+    in.disable_p2p = getenv("NVSHMEM_DISABLE_P2P");
+    in.disable_nvls = getenv("NVSHMEM_DISABLE_NVLS");
+    in.timeout_ms = epx__tool_param_int("EPX_TIMEOUT_MS");
+    in.ring_tokens = epx__tool_param_int("EPX_XN_RING_TOKENS");
+    in.world_size = context->ranks > 0 ? context->ranks : 8; /* the standard case: 2 x 4 */
+    int64_t from_env = epx__tool_param_int("EPX_RANKS_PER_NODE");
+    if (context->ranks_per_node > 0)
+        in.ranks_per_node = context->ranks_per_node;
+    else if (from_env > 0 && from_env < in.world_size && in.world_size % from_env == 0)
+        in.ranks_per_node = (int)from_env;
+    else
+        in.ranks_per_node = in.world_size / 2 > 0 ? in.world_size / 2 : 1;
+    in.gpus = context->gpu.gpu_count;
+    in.tokens = context->tokens;
+
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = context->tokens;
+    config.hidden = context->hidden;
+    config.num_experts = context->experts;
+    config.num_topk = context->topk;
+    in.plan = (epx_internode_plan_t)EPX_INTERNODE_PLAN_INIT;
+    char error[400] = "";
+    in.plan_ok = epx_internode_plan(in.world_size, in.ranks_per_node, &config, &in.plan) ==
+                 EPX_SUCCESS;
+    if (!in.plan_ok)
+        snprintf(error, sizeof(error), "%s", epx_last_error());
+    in.plan_error = error;
+
+    char detail[EPX__DOCTOR_DETAIL_MAX], fix[EPX__DOCTOR_FIX_MAX];
+    epx__doctor_status_t status =
+        epx__doctor_internode_assess(&in, detail, sizeof(detail), fix, sizeof(fix));
+    epx__doctor_add(report, "env.internode", status, fix[0] != '\0' ? fix : NULL, "%s", detail);
+}
+
 /* ---------------------------------------------------------------- buffer fit */
 
 typedef struct {
@@ -296,6 +347,7 @@ void epx__doctor_check_env(epx__doctor_report_t *report, epx__doctor_context_t *
 {
     check_epx_params(report);
     check_nvshmem_env(report, context);
+    check_internode(report, context);
     check_buffer_fit(report, context, "env.buffer_fit", context->tokens, 0);
     if (context->ll_tokens > 0)
         check_buffer_fit(report, context, "env.ll_buffer_fit", context->ll_tokens,

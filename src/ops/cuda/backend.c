@@ -258,9 +258,14 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     else
         EPX_INFO(EPX_SUBSYS_TRANSPORT,
                  "cuda buffer: device %d, internode normal mode: %d nodes of %d ranks, %.1f MB "
-                 "of NVSHMEM symmetric memory per rank (stores inside a node, puts across)",
+                 "of NVSHMEM symmetric memory per rank (stores inside a node, puts across); "
+                 "%s%lld tokens per channel%s",
                  group->device, epx__cuda_num_nodes(group), group->ranks_per_node,
-                 (double)cuda->shape.shared_bytes / 1e6);
+                 (double)cuda->shape.shared_bytes / 1e6,
+                 cuda->shape.xn_ring > 0 ? "rings of " : "worst-case slots, ",
+                 (long long)(cuda->shape.xn_ring > 0 ? cuda->shape.xn_ring
+                                                     : cuda->shape.max_tokens),
+                 cuda->shape.xn_ring > 0 ? " with credits (EPX_XN_RING_TOKENS)" : "");
     return EPX_SUCCESS;
 }
 
@@ -389,6 +394,7 @@ const epx__backend_ops_t epx__cuda_backend = {
     .group_destroy = epx__cuda_ll_group_destroy,
     .destroy_ready = cuda_destroy_ready,
     .buffer_size = cuda_buffer_size,
+    .internode_plan = epx__cuda_xn_describe,
     .buffer_create = cuda_buffer_create,
     .buffer_destroy = cuda_buffer_destroy,
     .abort = cuda_abort,

@@ -135,6 +135,9 @@ epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
                                  epx_status_t status);
 /* `healthy`: every rank agreed no peer failed (freeing symmetric memory is collective). */
 void epx__cuda_xn_destroy(epx__cuda_buffer_t *cuda, int healthy);
+/* The backend's internode_plan hook (epx_internode_plan but bytes_per_rank). */
+epx_status_t epx__cuda_xn_describe(epx_group_t group, const epx_buffer_config_t *config,
+                                   epx_internode_plan_t *plan);
 /* The routing arrays of a handle slot (after the single-node ones). */
 void epx__cuda_xn_routing(const epx__cuda_shape_t *shape, void *slot, int64_t offset,
                           epx__cuda_xn_routing_t *routing);

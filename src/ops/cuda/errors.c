@@ -32,6 +32,10 @@ static const char *stage_name(int stage)
         return "combine (waiting for a home rank on another node to enter)";
     case EPX_CUDA_STAGE_COMBINE_PARTIAL:
         return "combine (waiting for partial sums from another node)";
+    case EPX_CUDA_STAGE_CREDIT:
+        return "dispatch (waiting for ring slots on another node to drain)";
+    case EPX_CUDA_STAGE_COMBINE_CREDIT:
+        return "combine (waiting for ring slots on another node to drain)";
     default:
         return "an operation";
     }

@@ -12,19 +12,24 @@
  * (IBGDA, IBRC, UCX, libfabric) and nothing of a network stack lives here.
  *
  * Memory added per rank (T = max_tokens_per_rank): the count messages ([2][R] rows in,
- * [R] staged out), record slots [N][T] in and out (a record is a token's row, scales,
- * top-k and its rows at the destination node's ranks), partial-sum slots [N][T] in and
- * out (a bf16 row and K fp32 weights). Sized for the worst case: every token of a rank
- * may go to every node, so no credits are needed.
+ * [R] staged out), record slots [N][S] in and out (a record is a token's row, scales,
+ * top-k and its rows at the destination node's ranks), partial-sum slots [N][S] in and
+ * out (a bf16 row and K fp32 weights). By default S = T, the worst case (every token of
+ * a rank may go to every node), and no credits are needed. EPX_XN_RING_TOKENS = C below T
+ * makes every slot array a ring, S = C, with the counters of the credits that flow back
+ * as the rings drain (nvshmem/xn_ring.cuh).
  */
 #include <stdlib.h>
 #include <string.h>
 
+#include "bootstrap/bootstrap.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/ll.h"
 #include "transport/nvshmem/nvshmem.h"
 
 #define EPX_XN_ALIGN 256
+/* Records per put and per credit in a ring: a quarter of the ring, at most this many. */
+#define EPX_XN_MAX_CHUNK 16
 
 struct epx__cuda_xn {
     const epx_ll_plugin_t *plugin;
@@ -61,14 +66,29 @@ epx_status_t epx__cuda_xn_plan(epx_group_t group, const epx_buffer_config_t *con
     s->xn_record_pitch = epx__cuda_xn_record(H * 2, scales, (int)K, P).bytes;
     s->xn_partial_pitch = align_up(H * 2 + K * 4, 16);
     s->xn_test_delay_ns = epx__param_int(EPX_PARAM_XN_TEST_DELAY_NS);
+    /* A ring of T or more never wraps: the worst-case slots are no larger, and need no
+     * credits. (The params table let only 0 and powers of two through.) */
+    int64_t ring = epx__param_int(EPX_PARAM_XN_RING_TOKENS);
+    s->xn_ring = ring > 0 && ring < T ? ring : 0;
+    s->xn_chunk = 0;
+    if (s->xn_ring > 0) {
+        s->xn_chunk = s->xn_ring / 4 > 0 ? s->xn_ring / 4 : 1;
+        if (s->xn_chunk > EPX_XN_MAX_CHUNK)
+            s->xn_chunk = EPX_XN_MAX_CHUNK;
+    }
+    int64_t slots = s->xn_ring > 0 ? s->xn_ring : T;
 
     int64_t off = s->shared_bytes;
     s->off_xn_counts = take(&off, 2 * (int64_t)R * s->xn_count_cols * 4);
     s->off_xn_counts_out = take(&off, (int64_t)R * s->xn_count_cols * 4);
-    s->off_xn_inbox = take(&off, (int64_t)N * T * s->xn_record_pitch);
-    s->off_xn_outbox = take(&off, (int64_t)N * T * s->xn_record_pitch);
-    s->off_xn_partial_in = take(&off, (int64_t)N * T * s->xn_partial_pitch);
-    s->off_xn_partial_out = take(&off, (int64_t)N * T * s->xn_partial_pitch);
+    s->off_xn_inbox = take(&off, (int64_t)N * slots * s->xn_record_pitch);
+    s->off_xn_outbox = take(&off, (int64_t)N * slots * s->xn_record_pitch);
+    s->off_xn_partial_in = take(&off, (int64_t)N * slots * s->xn_partial_pitch);
+    s->off_xn_partial_out = take(&off, (int64_t)N * slots * s->xn_partial_pitch);
+    s->off_xn_ring = 0;
+    if (s->xn_ring > 0)
+        s->off_xn_ring =
+            take(&off, epx__cuda_xn_ring_layout(N, s->xn_ring / s->xn_chunk).bytes);
     s->shared_bytes = align_up(off, 1 << 21);
 
     /* The handle's routing: node_pos [T][N], node_out [N], node_in [N], fwd_rows [N][T][P]. */
@@ -76,6 +96,47 @@ epx_status_t epx__cuda_xn_plan(epx_group_t group, const epx_buffer_config_t *con
                       align_up((int64_t)N * T * P * 4, EPX_XN_ALIGN);
     *handle_slot_bytes = (size_t)align_up((int64_t)*handle_slot_bytes, EPX_XN_ALIGN) +
                          (size_t)routing;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_xn_describe(epx_group_t group, const epx_buffer_config_t *config,
+                                   epx_internode_plan_t *plan)
+{
+    epx__cuda_shape_t s;
+    size_t slot = 0;
+    EPX_CHECK(epx__cuda_plan(group, config, &s, &slot));
+    if (s.num_nodes < 2)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "internode_plan: %d ranks of %d per node are one node; internode "
+                         "normal mode needs two nodes or more",
+                         group->world_size, s.ranks_per_node);
+    int64_t N = s.num_nodes, slots = s.xn_ring > 0 ? s.xn_ring : s.max_tokens;
+    int sms = config->num_sms > 0 ? config->num_sms : (int)epx__param_int(EPX_PARAM_NUM_SMS);
+    int warps = sms * (EPX_CUDA_THREADS / 32);
+    plan->num_nodes = (int)N;
+    plan->credits = s.xn_ring > 0;
+    plan->slots_per_channel = slots;
+    plan->chunk_tokens = s.xn_chunk;
+    plan->record_bytes = s.xn_record_pitch;
+    plan->partial_bytes = s.xn_partial_pitch;
+    plan->record_slot_bytes = (size_t)(2 * N * slots * s.xn_record_pitch);
+    plan->partial_slot_bytes = (size_t)(2 * N * slots * s.xn_partial_pitch);
+    plan->num_sms = sms;
+    if (s.xn_ring > 0) {
+        /* nvshmem/xn_ring.cuh: 8 warps of each block receive, the rest send, but one
+         * returns credits. A put carries one record or more, within the credits. */
+        plan->receiver_warps = sms * 8;
+        plan->sender_warps = warps - plan->receiver_warps - 1;
+        plan->credit_warps = 1;
+        plan->puts_in_flight = s.xn_ring < plan->sender_warps ? s.xn_ring : plan->sender_warps;
+    } else {
+        /* nvshmem/xn_dispatch.cu: every warp sends its run (one put per node), then
+         * forwards. */
+        plan->receiver_warps = warps;
+        plan->sender_warps = warps;
+        plan->credit_warps = 0;
+        plan->puts_in_flight = s.max_tokens < warps ? s.max_tokens : warps;
+    }
     return EPX_SUCCESS;
 }
 
@@ -96,6 +157,37 @@ void epx__cuda_xn_routing(const epx__cuda_shape_t *s, void *slot, int64_t offset
     routing->fwd_rows = (int32_t *)at;
 }
 
+/* What each rank says about its rings before the symmetric allocation. */
+typedef struct {
+    int32_t status;
+    int32_t reserved;
+    int64_t ring;
+} ring_vote_t;
+
+/*
+ * Every rank must lay out its rings alike (a sender addresses the receiver's slots by
+ * offset), so a differing EPX_XN_RING_TOKENS is refused on every rank, naming both.
+ */
+static epx_status_t agree_on_ring(epx_group_t group, int64_t ring, epx_status_t status)
+{
+    int R = group->world_size;
+    ring_vote_t mine = {0, 0, ring};
+    ring_vote_t *all = calloc((size_t)R, sizeof(*all));
+    if (all == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
+    status = epx__bootstrap_vote(group->bootstrap, R, status, &mine, all, sizeof(mine),
+                                 "buffer_create", "failed");
+    for (int r = 0; r < R && status == EPX_SUCCESS; r++)
+        if (all[r].ring != ring)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "buffer_create: EPX_XN_RING_TOKENS gives rank %d a ring of %lld "
+                               "tokens and rank %d one of %lld (0 = slots for the worst case): "
+                               "every rank must set the same value",
+                               r, (long long)all[r].ring, group->rank, (long long)ring);
+    free(all);
+    return status;
+}
+
 epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
                                  epx_status_t status)
 {
@@ -103,6 +195,7 @@ epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
     const epx__cuda_shape_t *s = &cuda->shape;
     int R = group->world_size, me = group->rank, P = s->ranks_per_node;
     size_t bytes = (size_t)s->shared_bytes;
+    status = agree_on_ring(group, s->xn_ring, status);
     /* NVSHMEM's heap is sized once, by its first user: count a low-latency part too. */
     epx_ll_shape_t ll_shape;
     size_t ll_sym = 0, ll_local = 0;

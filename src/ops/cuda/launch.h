@@ -64,6 +64,9 @@ typedef enum {
     EPX_CUDA_STAGE_FORWARD = 6,         /* dispatch: waiting for another node's tokens */
     EPX_CUDA_STAGE_COMBINE_ENTER = 7,   /* combine: waiting for a home rank to enter */
     EPX_CUDA_STAGE_COMBINE_PARTIAL = 8, /* combine: waiting for another node's sums */
+    /* Internode mode with rings (EPX_XN_RING_TOKENS): */
+    EPX_CUDA_STAGE_CREDIT = 9,          /* dispatch: waiting for ring slots on another node */
+    EPX_CUDA_STAGE_COMBINE_CREDIT = 10, /* combine: waiting for ring slots on another node */
 } epx__cuda_stage_t;
 
 /* What the device error record says happened. */
@@ -183,6 +186,14 @@ typedef struct {
     int64_t off_xn_partial_out; /* [N][T] partial sums for node n's home ranks, staged */
     int64_t xn_partial_pitch;  /* bytes of a partial slot: bf16 row + K fp32 weights */
     int64_t xn_test_delay_ns;  /* EPX_XN_TEST_DELAY_NS: late, out-of-order puts (tests) */
+    /*
+     * Rings (EPX_XN_RING_TOKENS = C > 0, below T): the record and partial-sum slots are
+     * [N][C] instead of [N][T], taken modulo C, and the receiver returns credits as they
+     * drain (nvshmem/xn_ring.cuh). 0: the worst-case [N][T] slots, no credits.
+     */
+    int64_t xn_ring;           /* C, a power of two; 0 = no rings */
+    int64_t xn_chunk;          /* G: records per put and per credit, divides C */
+    int64_t off_xn_ring;       /* the rings' counters (epx__cuda_xn_ring_layout) */
     epx__cuda_local_t *local;
     epx__cuda_mapped_t *mapped;      /* device address of the mapped block */
     int32_t *mapped_rank_counts;     /* [R * R] */
@@ -248,6 +259,41 @@ EPX_CUDA_HOST_DEVICE epx__cuda_xn_record_t epx__cuda_xn_record(int64_t row_bytes
     r.rows = r.weights + (int64_t)topk * 4;
     r.bytes = (r.rows + (int64_t)ranks_per_node * 4 + 15) / 16 * 16;
     return r;
+}
+
+/*
+ * The counters of the internode rings, as byte offsets from off_xn_ring, for N nodes and
+ * B = C / G chunks per ring. Channel n of a counter array is the ring shared with the
+ * rank of this local index on node n. Written by NVSHMEM signals from other nodes:
+ * arrived [N][B] (records or partial sums that landed in each chunk of a ring, added
+ * by the sender's put; zeroed by this rank after an operation's last use) and credit [N]
+ * (records the rank on node n drained of this rank's, only grows). Only this rank's:
+ * sent [N] (records put to node n before this operation, the base of the credits) and
+ * done [N][B] (records of each chunk already consumed here, reset with arrived).
+ */
+typedef struct {
+    int64_t dispatch_arrived, combine_arrived; /* uint64 [N][B] */
+    int64_t dispatch_credit, combine_credit;   /* uint64 [N] */
+    int64_t dispatch_sent, combine_sent;       /* uint64 [N] */
+    int64_t dispatch_done, combine_done;       /* uint32 [N][B] */
+    int64_t bytes;
+} epx__cuda_xn_ring_layout_t;
+
+EPX_CUDA_HOST_DEVICE epx__cuda_xn_ring_layout_t epx__cuda_xn_ring_layout(int64_t nodes,
+                                                                        int64_t chunks)
+{
+    epx__cuda_xn_ring_layout_t l;
+    int64_t counters = nodes * chunks * 8, per_node = nodes * 8;
+    l.dispatch_arrived = 0;
+    l.combine_arrived = counters;
+    l.dispatch_credit = 2 * counters;
+    l.combine_credit = l.dispatch_credit + per_node;
+    l.dispatch_sent = l.combine_credit + per_node;
+    l.combine_sent = l.dispatch_sent + per_node;
+    l.dispatch_done = l.combine_sent + per_node;
+    l.combine_done = l.dispatch_done + nodes * chunks * 4;
+    l.bytes = l.combine_done + nodes * chunks * 4;
+    return l;
 }
 
 /* ---------------------------------------------------------------- count exchange */

@@ -20,10 +20,10 @@
  *    partials (after waiting until each node's counter has all of them), in node order,
  *    written to out. The last block tells the ranks of this node it no longer reads their
  *    x, waits for theirs, and ends the operation.
+ * Buffer use: partial sums go to [N][T] slots, sized for the worst case. With
+ * EPX_XN_RING_TOKENS the slots are rings and step 2 is xn_ring_combine.cu's kernel.
  */
-#include "ops/cuda/nvshmem/xn_device.cuh"
-
-#define EPX_XN_COMBINE_UNROLL 2
+#include "ops/cuda/nvshmem/xn_reduce.cuh"
 
 __global__ void __launch_bounds__(64) epx_xn_ready_kernel(epx__cuda_shape_t s,
                                                           epx__cuda_combine_args_t a)
@@ -50,105 +50,6 @@ __global__ void __launch_bounds__(64) epx_xn_ready_kernel(epx__cuda_shape_t s,
                       EPX_CUDA_STAGE_COMBINE_READY, first + p);
 }
 
-#define EPX_XN_COMBINE_GROUP 4
-
-/*
- * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane; kGroup sources
- * x kUnroll vectors of loads in flight per lane. `fresh` sources (written by a peer's
- * put during this kernel) are read through L2 only.
- */
-__device__ __forceinline__ void epx_xn_accumulate(const char *const *src, int n, int64_t i0,
-                                                  int64_t units, int fresh,
-                                                  float (&acc)[EPX_XN_COMBINE_UNROLL][8])
-{
-    const int lane = epx_lane();
-    const int kUnroll = EPX_XN_COMBINE_UNROLL, kGroup = EPX_XN_COMBINE_GROUP;
-    for (int j0 = 0; j0 < n; j0 += kGroup) {
-        int4 v[kGroup][kUnroll];
-#pragma unroll
-        for (int g = 0; g < kGroup; g++)
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                int64_t i = i0 + u * 32 + lane;
-                if (j0 + g < n && i < units)
-                    v[g][u] = fresh ? __ldcg(reinterpret_cast<const int4 *>(src[j0 + g]) + i)
-                                    : epx_ld_nc_v4(src[j0 + g] + i * 16);
-            }
-#pragma unroll
-        for (int g = 0; g < kGroup; g++) {
-            if (j0 + g >= n)
-                break;
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc[u][2 * e] += epx_bf16_lo(w[e]);
-                    acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
-                }
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0, int64_t units,
-                                                 const float (&acc)[EPX_XN_COMBINE_UNROLL][8])
-{
-    const int lane = epx_lane();
-#pragma unroll
-    for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++) {
-        int64_t i = i0 + u * 32 + lane;
-        if (i < units) {
-            int4 packed;
-            packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
-            packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
-            packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
-            packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
-            epx_st16(out + i * 16, packed, out_align);
-        }
-    }
-}
-
-/* sum += the K weights of each source, in order (lanes split K). */
-__device__ __forceinline__ void epx_xn_add_weights(const float *const *src, int n, int K,
-                                                   float *sum)
-{
-    for (int k = epx_lane(), i = 0; k < K; k += 32, i++)
-        for (int j = 0; j < n; j++)
-            sum[i] += __ldcg(src[j] + k);
-}
-
-/*
- * This node's rows of one item (rows[p] = its row at local rank p, or -1), in rank order:
- * their addresses in the peers' x and combine weights. Returns how many (every lane).
- */
-__device__ __forceinline__ int epx_xn_local_sources(const epx__cuda_shape_t &s, const int32_t *rows,
-                                                    const char *const *x_base,
-                                                    const int64_t *x_stride,
-                                                    const int64_t *x_rows, const char **row_out,
-                                                    const float **weights_out)
-{
-    const int lane = epx_lane(), P = s.ranks_per_node;
-    const int first_local = epx_xn_node(s, s.rank) * P;
-    int32_t row = lane < P ? rows[lane] : -1;
-    if (row >= 0 && row >= x_rows[lane]) {
-        epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY, first_local + lane,
-                           s.rank, row, x_rows[lane], 1);
-        row = -1;
-    }
-    unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-    if (row >= 0) {
-        int pos = __popc(ballot & ((1u << lane) - 1u));
-        row_out[pos] = x_base[lane] + (int64_t)row * x_stride[lane];
-        weights_out[pos] = reinterpret_cast<const float *>(epx_peer(s, first_local + lane) +
-                                                           s.off_combine_weights) +
-                           (int64_t)row * s.num_topk;
-    }
-    return __popc(ballot);
-}
-
-#define EPX_XN_MAX_K_PER_LANE 8 /* top-k up to 256 */
-
 /*
  * Reduce and finish in one kernel (the SM budget, a warp per item). Items, in order:
  * the records this rank forwarded in the dispatch (their partial sum over this node's
@@ -170,7 +71,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
-    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, K = s.num_topk;
+    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node;
     const int me = s.rank, my_node = epx_xn_node(s, me), first_local = my_node * P;
     const uint64_t seq = epx_op_seq(s);
     if (epx_failed(s))
@@ -194,7 +95,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     char *own = epx_xn_own(s);
     const int lane = epx_lane(), warp = epx_warp();
     const unsigned lanes_below = (1u << lane) - 1u;
-    const int64_t units = s.hidden * 2 / 16;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
     const int64_t records = first_record[N];
@@ -219,17 +119,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         __syncwarp();
         char *out = own + s.off_xn_partial_out +
                     ((int64_t)node * s.max_tokens + j) * s.xn_partial_pitch;
-        for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
-            float acc[EPX_XN_COMBINE_UNROLL][8] = {};
-            epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
-            epx_xn_store_acc(out, 16, i0, units, acc);
-        }
-        if (a.has_weights) {
-            float sum[EPX_XN_MAX_K_PER_LANE] = {};
-            epx_xn_add_weights(local_weights[warp], n_local, K, sum);
-            for (int k = lane, i = 0; k < K; k += 32, i++)
-                reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
-        }
+        epx_xn_partial_write(s, a, out, local_row[warp], local_weights[warp], n_local);
         __syncwarp();
     }
     /* The run's partial sums, one put per home rank it reaches. */
@@ -297,36 +187,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
             arrived |= __shfl_xor_sync(0xffffffffu, arrived, o);
         __syncwarp();
 
-        char *out = static_cast<char *>(a.out_x) + j * a.out_stride;
-        for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
-            float total[EPX_XN_COMBINE_UNROLL][8] = {};
-            epx_xn_accumulate(remote_row[warp], before, i0, units, 1, total);
-            if (n_local > 0) {
-                /* This node's partial, rounded to bf16 as if it had crossed the network. */
-                float acc[EPX_XN_COMBINE_UNROLL][8] = {};
-                epx_xn_accumulate(local_row[warp], n_local, i0, units, 0, acc);
-#pragma unroll
-                for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++)
-#pragma unroll
-                    for (int e = 0; e < 8; e++)
-                        total[u][e] += epx_bf16_lo(epx_float_to_bf16(acc[u][e]));
-            }
-            epx_xn_accumulate(remote_row[warp] + before, n_remote - before, i0, units, 1, total);
-            epx_xn_store_acc(out, a.out_align, i0, units, total);
-        }
-        if (a.has_weights) {
-            float total[EPX_XN_MAX_K_PER_LANE] = {};
-            epx_xn_add_weights(remote_weights[warp], before, K, total);
-            if (n_local > 0) {
-                float part[EPX_XN_MAX_K_PER_LANE] = {};
-                epx_xn_add_weights(local_weights[warp], n_local, K, part);
-                for (int i = 0; i < EPX_XN_MAX_K_PER_LANE; i++)
-                    total[i] += part[i];
-            }
-            epx_xn_add_weights(remote_weights[warp] + before, n_remote - before, K, total);
-            for (int k = lane, i = 0; k < K; k += 32, i++)
-                a.out_weights[j * a.out_weights_stride + k] = total[i];
-        }
+        epx_xn_reduce_token(s, a, j, local_row[warp], local_weights[warp], n_local,
+                            remote_row[warp], remote_weights[warp], before, n_remote);
         __syncwarp();
     }
 
@@ -342,6 +204,9 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
                        EPX_CUDA_STAGE_COMBINE_DONE);
 }
 
+extern "C" int epx_xn_launch_ring_combine(const epx__cuda_shape_t *shape,
+                                          const epx__cuda_combine_args_t *args, void *stream);
+
 extern "C" int epx_xn_launch_combine(const epx__cuda_shape_t *shape,
                                      const epx__cuda_combine_args_t *args, void *stream)
 {
@@ -350,6 +215,8 @@ extern "C" int epx_xn_launch_combine(const epx__cuda_shape_t *shape,
     cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess)
         return (int)err;
+    if (shape->xn_ring > 0)
+        return epx_xn_launch_ring_combine(shape, args, stream); /* xn_ring_combine.cu */
     epx_xn_combine_kernel<<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
     return (int)cudaGetLastError();
 }

@@ -53,16 +53,23 @@ __device__ __forceinline__ uint64_t *epx_xn_slot_field(const epx__cuda_shape_t &
  * Test mode (EPX_XN_TEST_DELAY_NS): hold a pseudo-random half of the puts for up to
  * `delay_ns`, so records and partial sums arrive late and out of order on purpose and a
  * missing wait or a wrong count fails a test on one machine rather than on a cluster.
- * Lane 0 sleeps; the warp waits for it at the put.
+ * epx_xn_test_delay: lane 0 sleeps, the warp waits for it at the put; epx_xn_test_sleep:
+ * the calling thread sleeps (a lane that sends credits on its own).
  */
-__device__ __forceinline__ void epx_xn_test_delay(int64_t delay_ns, uint64_t key)
+__device__ __forceinline__ void epx_xn_test_sleep(int64_t delay_ns, uint64_t key)
 {
-    if (delay_ns <= 0 || epx_lane() != 0)
+    if (delay_ns <= 0)
         return;
     uint64_t h = (key + 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull;
     h ^= h >> 31;
     if (h & 1u)
         __nanosleep((unsigned)((h >> 1) % (uint64_t)delay_ns));
+}
+
+__device__ __forceinline__ void epx_xn_test_delay(int64_t delay_ns, uint64_t key)
+{
+    if (epx_lane() == 0)
+        epx_xn_test_sleep(delay_ns, key);
 }
 
 /*

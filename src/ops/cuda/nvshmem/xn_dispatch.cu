@@ -28,9 +28,10 @@
  * Buffer use: records go to [N][T] slots (T = max_tokens_per_rank), so the memory is
  * sized for the worst case and no credits flow back; a sender writes a partner's slots
  * only after the partner's count message for this operation arrived, i.e. after the
- * partner finished forwarding the previous dispatch.
+ * partner finished forwarding the previous dispatch. With EPX_XN_RING_TOKENS the slots
+ * are rings and step 2-3 is xn_ring_dispatch.cu's kernel instead (credits, warp roles).
  */
-#include "ops/cuda/nvshmem/xn_device.cuh"
+#include "ops/cuda/nvshmem/xn_send.cuh"
 
 /* ---------------------------------------------------------------- count exchange */
 
@@ -185,9 +186,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
-    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, L = s.num_local_experts;
+    const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node;
     const int K = s.num_topk, me = s.rank, my_node = epx_xn_node(s, me);
-    const int first_local = my_node * P;
     if (epx_failed(s))
         return;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -207,8 +207,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     char *own = epx_xn_own(s);
     const epx__cuda_xn_record_t rec = epx__cuda_xn_record(a.row_bytes, a.num_scales, K, P);
     const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    const int64_t units = a.row_bytes / 16;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
 
@@ -217,94 +215,21 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int64_t per_warp = (a.num_tokens + num_warps - 1) / num_warps;
     const int64_t run_begin = min(first_warp * per_warp, a.num_tokens);
     const int64_t run_end = min(run_begin + per_warp, a.num_tokens);
+    char *outbox = own + s.off_xn_outbox;
     for (int64_t step = 0; step < run_end - run_begin; step++) {
         /* Test mode sends the last tokens first. */
         const int64_t t = s.xn_test_delay_ns > 0 ? run_end - 1 - step : run_begin + step;
         /* Ordinals become rows (fresh) for every rank: records carry the remote ones. */
-        for (int r0 = 0; r0 < R; r0 += 32) {
-            int r = r0 + lane;
-            if (r < R && a.fresh) {
-                int32_t row = a.send_row[t * R + r];
-                if (row >= 0)
-                    a.send_row[t * R + r] = row + bases[r];
-            }
-        }
+        epx_xn_token_rows(a, t, R, bases);
         __syncwarp();
         /* Destinations in a fixed order: this node's ranks, then other nodes' records. */
-        int n = 0;
-        {
-            int r = first_local + lane;
-            int32_t row = lane < P ? a.send_row[t * R + r] : -1;
-            unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-            if (row >= 0) {
-                int pos = __popc(ballot & lanes_below);
-                dest[warp][pos] = r;
-                dest_row[warp][pos] = row;
-                dest_x[warp][pos] = peers[r] + s.off_x + (int64_t)row * a.recv_pitch;
-            }
-            n = __popc(ballot);
-        }
-        for (int n0 = 0; n0 < N; n0 += 32) {
-            int node = n0 + lane;
-            int32_t pos = node < N ? a.xn.node_pos[t * N + node] : -1;
-            unsigned ballot = __ballot_sync(0xffffffffu, pos >= 0);
-            if (pos >= 0) {
-                int at = n + __popc(ballot & lanes_below);
-                dest[warp][at] = -1 - node;
-                dest_row[warp][at] = pos;
-                dest_x[warp][at] = own + s.off_xn_outbox +
-                                   ((int64_t)node * s.max_tokens + pos) * rec.bytes;
-            }
-            n += __popc(ballot);
-        }
+        int n = epx_xn_token_dests<false>(s, a, t, peers, outbox, s.max_tokens, rec.bytes,
+                                          dest[warp], dest_row[warp], dest_x[warp]);
         __syncwarp();
         if (n == 0)
             continue;
-
-        epx_xn_copy_row<kUnroll>(static_cast<const char *>(a.x) + t * a.x_stride, a.x_align, 0,
-                                 dest_x[warp], n, units);
-        for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = a.scales[t * a.scales_stride + i * a.scales_col_stride];
-            for (int j = 0; j < n; j++) {
-                float *to = dest[warp][j] >= 0
-                                ? reinterpret_cast<float *>(peers[dest[warp][j]] + s.off_scales) +
-                                      (int64_t)dest_row[warp][j] * a.num_scales
-                                : reinterpret_cast<float *>(dest_x[warp][j] + rec.scales);
-                to[i] = scale;
-            }
-        }
-        if (a.topk_idx != NULL) {
-            for (int k = lane; k < K; k += 32) {
-                int64_t e = a.topk_idx[t * a.topk_stride + k];
-                float w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
-                int home = e >= 0 ? (int)(e / L) : -1;
-                for (int j = 0; j < n; j++) {
-                    int r = dest[warp][j];
-                    if (r < 0) {
-                        /* A record keeps the global ids; its forwarder rewrites them. */
-                        reinterpret_cast<int64_t *>(dest_x[warp][j] + rec.topk_idx)[k] = e;
-                        reinterpret_cast<float *>(dest_x[warp][j] + rec.weights)[k] = w;
-                        continue;
-                    }
-                    int64_t row = dest_row[warp][j];
-                    int here = home == r;
-                    reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx)[row * K + k] =
-                        here ? e - (int64_t)r * L : -1;
-                    if (a.topk_weights != NULL)
-                        reinterpret_cast<float *>(peers[r] + s.off_topk_weights)[row * K + k] =
-                            here ? w : 0.0f;
-                }
-            }
-        }
-        /* Each record's rows at the ranks of its node, then the record goes out. */
-        for (int j = 0; j < n; j++) {
-            if (dest[warp][j] >= 0)
-                continue;
-            int node = -1 - dest[warp][j];
-            for (int p = lane; p < P; p += 32)
-                reinterpret_cast<int32_t *>(dest_x[warp][j] + rec.rows)[p] =
-                    a.send_row[t * R + node * P + p];
-        }
+        epx_xn_token_write<kUnroll>(s, a, rec, t, peers, dest[warp], dest_row[warp],
+                                    dest_x[warp], n);
         __syncwarp();
     }
     /* The run's records for each node: consecutive slots from the run's first one. */
@@ -359,45 +284,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         }
         int64_t j = q - first_record[node];
         const char *record = own + s.off_xn_inbox + ((int64_t)node * s.max_tokens + j) * rec.bytes;
-        const int32_t *rows = reinterpret_cast<const int32_t *>(record + rec.rows);
-        int32_t row = lane < P ? __ldcg(rows + lane) : -1;
-        if (a.fresh && lane < P)
-            a.xn.fwd_rows[((int64_t)node * s.max_tokens + j) * P + lane] = row;
-        unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-        if (row >= 0) {
-            int pos = __popc(ballot & lanes_below);
-            int r = first_local + lane;
-            dest[warp][pos] = r;
-            dest_row[warp][pos] = row;
-            dest_x[warp][pos] = peers[r] + s.off_x + (int64_t)row * a.recv_pitch;
-        }
-        int n = __popc(ballot);
-        __syncwarp();
-
-        epx_xn_copy_row<kUnroll>(record, 16, 1, dest_x[warp], n, units);
-        for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = __ldcg(reinterpret_cast<const float *>(record + rec.scales) + i);
-            for (int d = 0; d < n; d++)
-                reinterpret_cast<float *>(peers[dest[warp][d]] + s.off_scales)
-                    [(int64_t)dest_row[warp][d] * a.num_scales + i] = scale;
-        }
-        if (a.topk_idx != NULL) {
-            for (int k = lane; k < K; k += 32) {
-                int64_t e = __ldcg(reinterpret_cast<const long long *>(record + rec.topk_idx) + k);
-                float w = __ldcg(reinterpret_cast<const float *>(record + rec.weights) + k);
-                int home = e >= 0 ? (int)(e / L) : -1;
-                for (int d = 0; d < n; d++) {
-                    int r = dest[warp][d];
-                    int64_t at = (int64_t)dest_row[warp][d] * K + k;
-                    int here = home == r;
-                    reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx)[at] =
-                        here ? e - (int64_t)r * L : -1;
-                    if (a.topk_weights != NULL)
-                        reinterpret_cast<float *>(peers[r] + s.off_topk_weights)[at] =
-                            here ? w : 0.0f;
-                }
-            }
-        }
+        epx_xn_forward_record<kUnroll>(s, a, rec, record, node, j, peers, dest[warp],
+                                       dest_row[warp], dest_x[warp]);
         __syncwarp();
     }
 
@@ -424,9 +312,14 @@ extern "C" int epx_xn_launch_notify(const epx__cuda_shape_t *shape,
     return (int)cudaGetLastError();
 }
 
+extern "C" int epx_xn_launch_ring_dispatch(const epx__cuda_shape_t *shape,
+                                           const epx__cuda_dispatch_args_t *args, void *stream);
+
 extern "C" int epx_xn_launch_dispatch(const epx__cuda_shape_t *shape,
                                       const epx__cuda_dispatch_args_t *args, void *stream)
 {
+    if (shape->xn_ring > 0)
+        return epx_xn_launch_ring_dispatch(shape, args, stream); /* xn_ring_dispatch.cu */
     cudaStream_t st = (cudaStream_t)stream;
     epx_xn_dispatch_kernel<8><<<args->num_blocks, EPX_CUDA_THREADS, 0, st>>>(*shape, *args);
     return (int)cudaGetLastError();
