@@ -5,11 +5,12 @@
  * a warp scan, and asynchronous copies into shared memory.
  *
  * Memory ordering, in one place (each use points here):
- * - A tagged word is (tag << 32) | value, written with one 64-bit store (a direct peer)
- *   or inside an NVSHMEM put of whole words (8-byte aligned words arrive whole, as
- *   NCCL's LL protocol also relies on). It carries its own validity: a reader that sees
- *   the tag of this operation sees the value written with it, and no other data is
- *   published through it, so relaxed stores and loads suffice.
+ * - A tagged word is (tag << 32) | value, written with one 64-bit store to a direct peer
+ *   (single-copy atomic). It carries its own validity: a reader that sees the tag of
+ *   this operation sees the value written with it, and no other data is published
+ *   through it, so relaxed stores and loads suffice. To peers reached by puts the words
+ *   go in one put with a signal, and readers wait for the signal first (a put need not
+ *   write each 8-byte word whole; NVSHMEM delivers the signal after the data).
  * - Rows are published by counters: a block stores its rows (plain weak stores by many
  *   threads), __syncthreads(), then one thread adds the block's count to the receiver's
  *   counter with red.release.sys. PTX release is cumulative: every store that precedes

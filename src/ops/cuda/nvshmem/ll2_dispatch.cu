@@ -16,7 +16,8 @@
  *   2. every block counts the rows of all tokens per expert (hist) and those before its
  *      range (before); block b publishes this rank's counts to receivers b, b + grid, ...:
  *      E + 1 tagged words per receiver (the counts, then the units the receiver must see
- *      arrive), stores for direct peers, one put for the others (ll2_device.cuh);
+ *      arrive), stores for direct peers, one put with a signal for the others
+ *      (ll2_device.cuh);
  *   3. every block adds up the counts of the lower ranks (waiting for their words: this
  *      is the count exchange, one hop; a send therefore waits until every lower rank has
  *      started its own send), giving base[e];
@@ -90,6 +91,7 @@ __device__ __forceinline__ int entry_expert(const epx_ll_op_t &op, const int32_t
 struct send_ctx_t {
     int R, me, k, L, E, C, slot, cached, fp8, ue8m0;
     uint32_t tag;
+    uint64_t seq;
     int64_t T, t0, t1, scale_words;
     size_t slot_base, row_bytes;
     char *own;
@@ -182,7 +184,9 @@ __device__ void publish_counts(const epx_ll_shape_t &s, const send_ctx_t &c, con
                                    epx_ll2_tagged(c.tag, e < E ? (uint32_t)m.hist[e] : units));
         return;
     }
-    /* NVSHMEM puts read symmetric memory: the words are staged, then put whole. */
+    /* NVSHMEM puts read symmetric memory: the words are staged, then put whole with a
+     * signal (this rank's DISPATCH flag at r, otherwise unused by kernels 2), which
+     * NVSHMEM delivers after the data: a put need not write 8-byte words whole. */
     uint64_t *stage =
         reinterpret_cast<uint64_t *>(c.own + s.count_stage) + (size_t)r * (size_t)(E + 1);
     for (int e = threadIdx.x; e <= E; e += blockDim.x)
@@ -191,7 +195,26 @@ __device__ void publish_counts(const epx_ll_shape_t &s, const send_ctx_t &c, con
     if (threadIdx.x == 0)
         __threadfence_system(); /* the staged words, before the network reads them */
     __syncthreads();
-    nvshmemx_putmem_nbi_block(s.sym + table, stage, (size_t)(E + 1) * 8, r);
+    nvshmemx_putmem_signal_nbi_block(
+        s.sym + table, stage, (size_t)(E + 1) * 8,
+        reinterpret_cast<uint64_t *>(s.sym + epx_ll_flag_offset(s, EPX_LL_KIND_DISPATCH, c.slot, c.me)),
+        c.seq, NVSHMEM_SIGNAL_SET, r);
+}
+
+/*
+ * Sources [0, n) reached by puts: wait for the signal that follows their count words
+ * (publish_counts), so that their words are read whole. A source that stays silent is
+ * masked here (and then skipped by the word reads). Every thread of the block calls it.
+ */
+__device__ void wait_put_counts(const epx_ll_shape_t &s, int slot, uint64_t seq, int n)
+{
+    if (!s.use_puts)
+        return;
+    for (int src = threadIdx.x; src < n; src += blockDim.x)
+        if (s.peer[src] == NULL && !*reinterpret_cast<volatile int32_t *>(s.mask + src))
+            (void)epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_DISPATCH, slot, src), seq, s.mask,
+                              s.world, src, s.fail, s.timeout_ns, EPX_LL_STAGE_DISPATCH_COUNTS);
+    __syncthreads();
 }
 
 /*
@@ -243,6 +266,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     c.fp8 = op.use_fp8;
     c.ue8m0 = op.use_ue8m0;
     c.tag = (uint32_t)seq;
+    c.seq = seq;
     c.slot_base = s.slot[c.slot];
     c.own = s.sym + c.slot_base;
     c.row_bytes = c.fp8 ? (size_t)s.hidden : (size_t)s.hidden * 2;
@@ -335,6 +359,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
 
     /* 3. base[e]: the lower ranks' counts, each (rank, expert) word loaded by one thread,
      * four loads in flight before any is checked. A masked rank counts for nothing. */
+    wait_put_counts(s, c.slot, seq, c.me);
     {
         const uint64_t *table = reinterpret_cast<const uint64_t *>(c.own + s.counts);
         const int pairs = c.me * E;
@@ -473,6 +498,7 @@ __device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     char *out = s.local[slot];
     const uint64_t *table = reinterpret_cast<const uint64_t *>(sym + s.counts);
 
+    wait_put_counts(s, slot, seq, R);
     for (int src = threadIdx.x; src < R; src += blockDim.x)
         m.failed[src] = *reinterpret_cast<volatile int32_t *>(s.mask + src);
     __syncthreads();
