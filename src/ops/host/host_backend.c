@@ -228,4 +228,5 @@ const epx__backend_ops_t epx__host_backend = {
     .ll_combine_buffer = epx__host_ll_combine_buffer,
     .ll_mask_rank = epx__host_ll_mask_rank,
     .ll_get_masked = epx__host_ll_get_masked,
+    .ll_rejoin = epx__host_ll_rejoin,
 };
