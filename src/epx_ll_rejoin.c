@@ -183,11 +183,6 @@ static epx_status_t check_survivor(epx_buffer_t buffer, epx_group_t group)
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     EPX_CHECK(epx__validate_ll_enabled(buffer, op));
     EPX_CHECK(check_backend(group, op));
-    if (group == buffer->group)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "%s: group is the buffer's own group; a rejoin needs a new group formed "
-                         "with the newcomer (a fresh rendezvous)",
-                         op);
     if (group->world_size != buffer->group->world_size || group->rank != buffer->group->rank)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: this process is rank %d of %d in the group but rank %d of %d in "
@@ -229,8 +224,14 @@ static int first_joiner(const unsigned char *joiners, int world)
 epx_status_t epx_ll_rejoin(epx_buffer_t buffer, epx_group_t group)
 {
     epx__clear_error();
-    /* Without a live group there is nobody to tell: the peers' agreement times out. */
+    /* Without a live new group there is nobody to tell (the peers' agreement times out);
+     * the buffer's own group does not hold the newcomer, and its peers are not in this
+     * call. */
     EPX_CHECK(epx__object_check(EPX__OBJECT_GROUP, group, "ll_rejoin", "group"));
+    if (epx__object_live(EPX__OBJECT_BUFFER, buffer) && group == buffer->group)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "ll_rejoin: group is the buffer's own group; a rejoin needs a new group "
+                         "formed with the newcomer (a fresh rendezvous)");
     epx_status_t local = check_survivor(buffer, group);
     int world = group->world_size;
     int32_t *mask = calloc((size_t)world, sizeof(int32_t));

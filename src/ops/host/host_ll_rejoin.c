@@ -37,7 +37,6 @@ typedef struct {
 typedef struct {
     const epx__host_ll_layout_t *layout;
     int world;
-    int me;
     const epx__rejoin_sequences_t *sequences;
 } epx__rejoin_flags_t;
 
@@ -58,13 +57,15 @@ static void epx__rejoin_set_flags(void *data, const epx__rejoin_flags_t *f, int 
     }
 }
 
-/* A joiner's new segment (epx__shm_rejoin's init): every peer's flags as of now. */
+/*
+ * A joiner's new segment (epx__shm_rejoin's init): every rank's flags as of now, its own
+ * included (a rank sends to itself and releases its own slot like any peer's).
+ */
 static void epx__rejoin_init_segment(void *data, void *context)
 {
     const epx__rejoin_flags_t *f = context;
     for (int peer = 0; peer < f->world; peer++)
-        if (peer != f->me)
-            epx__rejoin_set_flags(data, f, peer);
+        epx__rejoin_set_flags(data, f, peer);
 }
 
 /* Step 1 on this rank: EPX_SUCCESS and the survivors' sequence numbers, or why not. */
@@ -165,8 +166,7 @@ epx_status_t epx__host_ll_rejoin(epx_buffer_t buffer, const epx__transport_ranks
 
     epx__rejoin_sequences_t sequences;
     epx_status_t status = epx__rejoin_sequences(ranks, joiners, ll, local, &sequences);
-    epx__rejoin_flags_t flags = {ll != NULL ? &ll->layout : NULL, ranks->world_size, ranks->rank,
-                                 &sequences};
+    epx__rejoin_flags_t flags = {ll != NULL ? &ll->layout : NULL, ranks->world_size, &sequences};
     if (status == EPX_SUCCESS && !joining) {
         /* Before the segments change hands: nobody writes these until the rejoin ends. */
         void *own = epx__shm_peer(ll->shm, ranks->rank);
