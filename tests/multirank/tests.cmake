@@ -53,7 +53,7 @@ add_test(NAME multirank.create_killed COMMAND test_create_killed --backend host)
 set_tests_properties(multirank.create_killed PROPERTIES TIMEOUT 300 LABELS multirank)
 
 # A rank lost in low-latency serving: the step completes without it (CPU backend).
-add_executable(test_ll_fault ${EPX_MULTIRANK_DIR}/test_ll_fault.c)
+add_executable(test_ll_fault ${EPX_MULTIRANK_DIR}/test_ll_fault.c ${EPX_MULTIRANK_DIR}/ll_step.c)
 target_link_libraries(test_ll_fault PRIVATE epx_multirank_common)
 add_test(NAME multirank.ll_fault COMMAND test_ll_fault)
 set_tests_properties(multirank.ll_fault PROPERTIES TIMEOUT 120 LABELS multirank)
