@@ -665,7 +665,8 @@ epx_status_t epx_ll_clean_buffer(epx_buffer_t buffer, void *stream);
  * rank whose old process still runs (it still maps the survivors' memory: end it first;
  * EPX_ERR_INVALID_STATE); the buffer's own group, or a group in which this process has
  * another rank number or world size than in the buffer, or another backend
- * (EPX_ERR_INVALID_ARG); configs that differ (EPX_ERR_INVALID_ARG); a buffer that failed.
+ * (EPX_ERR_INVALID_ARG); configs that differ (EPX_ERR_INVALID_ARG); a buffer without
+ * low-latency mode (EPX_ERR_INVALID_STATE); a buffer that failed (its first error).
  * The CUDA backend returns EPX_ERR_UNSUPPORTED: its low-latency memory is NVSHMEM's
  * symmetric heap, and NVSHMEM cannot add a PE to a running job.
  */
