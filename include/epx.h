@@ -659,14 +659,17 @@ epx_status_t epx_ll_clean_buffer(epx_buffer_t buffer, void *stream);
  * On failure every rank returns an error, EPX_ERR_REMOTE naming the rank on the ranks
  * whose own arguments were fine, and a survivor's buffer is as it was: serving, the rank
  * still masked; nothing is left in /dev/shm. Try again with a new group. Refused on
- * every rank alike: a newcomer that some survivor has not masked (its loss not seen
- * there yet) and a masked rank that does not come back (EPX_ERR_INVALID_STATE); an
- * operation in flight on a survivor (EPX_ERR_INVALID_STATE); on the CPU backend, a lost
- * rank whose old process still runs (it still maps the survivors' memory: end it first;
- * EPX_ERR_INVALID_STATE); the buffer's own group, or a group in which this process has
- * another rank number or world size than in the buffer, or another backend
- * (EPX_ERR_INVALID_ARG); configs that differ (EPX_ERR_INVALID_ARG); a buffer without
- * low-latency mode (EPX_ERR_INVALID_STATE); a buffer that failed (its first error).
+ * every rank alike (a rank with a bad argument still takes part, so that the others
+ * learn why): a newcomer that some survivor has not masked (its loss not seen there
+ * yet) and a masked rank that does not come back (EPX_ERR_INVALID_STATE); an operation
+ * in flight on a survivor (EPX_ERR_INVALID_STATE); on the CPU backend, a lost rank whose
+ * old process still runs (it still maps the survivors' memory: end it first;
+ * EPX_ERR_INVALID_STATE); a group in which this process has another rank number or world
+ * size than in the buffer, or another backend (EPX_ERR_INVALID_ARG); configs that differ
+ * (EPX_ERR_INVALID_ARG); a buffer without low-latency mode (EPX_ERR_INVALID_STATE); a
+ * buffer that failed (its first error). Refused at once on the calling rank alone, since
+ * it cannot reach the others (theirs then fail within the timeout): a group that is not
+ * live, and the buffer's own group (EPX_ERR_INVALID_ARG).
  * The CUDA backend returns EPX_ERR_UNSUPPORTED: its low-latency memory is NVSHMEM's
  * symmetric heap, and NVSHMEM cannot add a PE to a running job.
  */

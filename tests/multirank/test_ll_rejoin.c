@@ -658,7 +658,9 @@ int main(int argc, char **argv)
              id = strtok_r(NULL, ",", &save))
             ctx.ids[count++] = id;
         int newcomer = atoi(mr_flag(argc, argv, "--newcomer", "-1"));
-        return newcomer < 0 ? run_initial(argc, argv, &ctx) : run_newcomer(&ctx, newcomer);
+        int status = newcomer < 0 ? run_initial(argc, argv, &ctx) : run_newcomer(&ctx, newcomer);
+        free(ids);
+        return status;
     }
     const char *which = mr_flag(argc, argv, "--variant", "all");
     int failures = 0, ran = 0;
