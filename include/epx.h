@@ -620,7 +620,8 @@ epx_status_t epx_ll_get_combine_buffer(epx_buffer_t buffer, epx_ll_handle_t hand
 /*
  * Local: leave `rank` out of this rank's later low-latency calls (a failed peer). Every
  * surviving rank must mask the same ranks before the same call (a wait that fails on a
- * peer masks it by itself). A rank cannot mask itself. Masks are not undone.
+ * peer masks it by itself). A rank cannot mask itself. Only a rejoin (epx_ll_rejoin)
+ * undoes a mask.
  */
 epx_status_t epx_ll_mask_rank(epx_buffer_t buffer, int rank);
 
@@ -633,6 +634,53 @@ epx_status_t epx_ll_get_masked(epx_buffer_t buffer, int32_t *mask, int count);
  * memory needs zeroing: arrival flags carry sequence numbers.
  */
 epx_status_t epx_ll_clean_buffer(epx_buffer_t buffer, void *stream);
+
+/*
+ * Rejoin (docs/STABILITY.md). A rank lost in low-latency serving, and masked on every
+ * survivor, is replaced by a new process with the same rank number, which joins the
+ * survivors' running buffer; the survivors keep their buffers. First every rank, the
+ * newcomers included, forms a new group from a fresh rendezvous (a unique id that a
+ * survivor makes and the serving system hands to the newcomer, or callbacks), with the
+ * same world size and rank numbers: the old group cannot take a new process in, and may
+ * have lost its rendezvous hub. Then, between steps (no low-latency operation sent and
+ * not received on any survivor), every survivor calls epx_ll_rejoin and every newcomer
+ * epx_buffer_create_rejoin on that group. Several lost ranks come back in one rejoin:
+ * the new group holds every rank, so the newcomers must be exactly the ranks the
+ * survivors masked. Every wait ends within the new group's timeout.
+ *
+ * On success, on every rank: the newcomers are unmasked and the next dispatch includes
+ * every rank; low-latency handles from before are stale (as after epx_ll_clean_buffer);
+ * the buffer belongs to the new group (destroy it before that group; it no longer uses
+ * the old one); epx_get_async_error no longer reports the loss; and the buffer serves
+ * low-latency mode only: epx_dispatch, epx_combine and epx_get_combine_input return
+ * EPX_ERR_INVALID_STATE, with no effect (a newcomer has no normal-mode memory; make a new
+ * buffer for normal mode).
+ *
+ * On failure every rank returns an error, EPX_ERR_REMOTE naming the rank on the ranks
+ * whose own arguments were fine, and a survivor's buffer is as it was: serving, the rank
+ * still masked; nothing is left in /dev/shm. Try again with a new group. Refused on
+ * every rank alike (a rank with a bad argument still takes part, so that the others
+ * learn why): a newcomer that some survivor has not masked (its loss not seen there
+ * yet) and a masked rank that does not come back (EPX_ERR_INVALID_STATE); an operation
+ * in flight on a survivor (EPX_ERR_INVALID_STATE); on the CPU backend, a lost rank whose
+ * old process still runs (it still maps the survivors' memory: end it first;
+ * EPX_ERR_INVALID_STATE); a group in which this process has another rank number or world
+ * size than in the buffer, or another backend (EPX_ERR_INVALID_ARG); configs that differ
+ * (EPX_ERR_INVALID_ARG); a buffer without low-latency mode (EPX_ERR_INVALID_STATE); a
+ * buffer that failed (its first error). Refused at once on the calling rank alone, since
+ * it cannot reach the others (theirs then fail within the timeout): a group that is not
+ * live, and the buffer's own group (EPX_ERR_INVALID_ARG).
+ * The CUDA backend returns EPX_ERR_UNSUPPORTED: its low-latency memory is NVSHMEM's
+ * symmetric heap, and NVSHMEM cannot add a PE to a running job.
+ */
+/* Survivor: collective over `group` with the newcomers' epx_buffer_create_rejoin. */
+epx_status_t epx_ll_rejoin(epx_buffer_t buffer, epx_group_t group);
+/*
+ * Newcomer: collective with the survivors' epx_ll_rejoin. `config` must be the survivors'
+ * (max_low_latency_tokens > 0). `*buffer` is written on success only.
+ */
+epx_status_t epx_buffer_create_rejoin(epx_group_t group, const epx_buffer_config_t *config,
+                                      epx_buffer_t *buffer);
 
 #ifdef __cplusplus
 }

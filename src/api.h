@@ -16,6 +16,14 @@ epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op);
 epx_status_t epx__buffer_fail(epx_buffer_t buffer, epx_status_t status);
 
 /*
+ * A new buffer object for `group` with its generic fields set from a validated `config`
+ * (num_sms resolved, a fresh serial) and impl NULL; NULL on out of memory. For
+ * epx_buffer_create and epx_buffer_create_rejoin (src/epx_ll_rejoin.c).
+ */
+struct epx_buffer *epx__buffer_new(epx_group_t group, const epx_buffer_config_t *config,
+                                   const epx__backend_ops_t *ops);
+
+/*
  * epx_buffer_size without the check that `group` is a live group: for
  * epx_buffer_size_plan (src/plan.c), which asks on a group it made up on the stack.
  */

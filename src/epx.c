@@ -51,6 +51,21 @@ static epx_status_t refuse_call(epx_buffer_t buffer, epx_status_t status)
     return status;
 }
 
+/*
+ * Normal mode after a rejoin (src/epx_ll_rejoin.c): refused on every rank alike, before
+ * any exchange, so nobody waits and nothing is poisoned.
+ */
+static epx_status_t check_normal_mode(epx_buffer_t buffer, const char *op)
+{
+    if (!buffer->low_latency_only)
+        return EPX_SUCCESS;
+    return EPX_ERROR(EPX_ERR_INVALID_STATE,
+                     "%s: this buffer serves low-latency mode only since rank %d rejoined it "
+                     "(a rejoined rank has no normal-mode memory): make a new buffer for "
+                     "normal mode",
+                     op, buffer->rejoined);
+}
+
 /* Refuse to run an operation on a buffer that already failed. */
 epx_status_t epx__buffer_check_usable(epx_buffer_t buffer, const char *op)
 {
@@ -143,6 +158,27 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
     return status;
 }
 
+struct epx_buffer *epx__buffer_new(epx_group_t group, const epx_buffer_config_t *config,
+                                   const epx__backend_ops_t *ops)
+{
+    struct epx_buffer *buffer = calloc(1, sizeof(*buffer));
+    if (buffer == NULL)
+        return NULL;
+    buffer->group = group;
+    buffer->config = *config;
+    if (buffer->config.num_sms == 0)
+        buffer->config.num_sms = (int)epx__param_int(EPX_PARAM_NUM_SMS);
+    buffer->num_local_experts = config->num_experts / group->world_size;
+    buffer->ops = ops;
+    atomic_init(&buffer->async_error, EPX_SUCCESS);
+    atomic_init(&buffer->ll_peer_error, EPX_SUCCESS);
+    static _Atomic uint64_t next_serial = 1;
+    buffer->serial = atomic_fetch_add(&next_serial, 1);
+    buffer->ll.tag = buffer->serial;
+    buffer->rejoined = -1;
+    return buffer;
+}
+
 epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *config,
                                epx_buffer_t *buffer_out)
 {
@@ -162,19 +198,9 @@ epx_status_t epx_buffer_create(epx_group_t group, const epx_buffer_config_t *con
     }
     EPX_CHECK(agree_on_config(group, config, status));
 
-    struct epx_buffer *buffer = calloc(1, sizeof(*buffer));
+    struct epx_buffer *buffer = epx__buffer_new(group, config, ops);
     if (buffer == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of memory");
-    buffer->group = group;
-    buffer->config = *config;
-    if (buffer->config.num_sms == 0)
-        buffer->config.num_sms = (int)epx__param_int(EPX_PARAM_NUM_SMS);
-    buffer->num_local_experts = config->num_experts / group->world_size;
-    buffer->ops = ops;
-    atomic_init(&buffer->async_error, EPX_SUCCESS);
-    static _Atomic uint64_t next_serial = 1;
-    buffer->serial = atomic_fetch_add(&next_serial, 1);
-    buffer->ll.tag = buffer->serial;
     status = ops->buffer_create(buffer);
     if (status != EPX_SUCCESS) {
         free(buffer);
@@ -294,6 +320,7 @@ epx_status_t epx_dispatch(epx_buffer_t buffer, const epx_dispatch_args_t *args,
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "dispatch", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "dispatch"));
+    EPX_CHECK(check_normal_mode(buffer, "dispatch"));
     /* Args from before the layout-routing fields were appended: read as the full struct. */
     epx_dispatch_args_t full;
     if (args != NULL && args->size == offsetof(epx_dispatch_args_t, is_token_in_rank)) {
@@ -341,6 +368,7 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "combine", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
+    EPX_CHECK(check_normal_mode(buffer, "combine"));
     /* Args from before the bias fields were appended: read as the full struct. */
     epx_combine_args_t full;
     if (args != NULL && args->size == offsetof(epx_combine_args_t, bias)) {
@@ -367,6 +395,7 @@ epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx
     if (handle->buffer != buffer || handle->buffer_serial != buffer->serial)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "get_combine_input: handle was made by another buffer");
     EPX_CHECK(epx__buffer_check_usable(buffer, "get_combine_input"));
+    EPX_CHECK(check_normal_mode(buffer, "get_combine_input"));
     if (buffer->ops->combine_input == NULL)
         return EPX_ERROR(EPX_ERR_UNSUPPORTED, "get_combine_input: not supported by the %s backend",
                          buffer->ops->name);

@@ -5,7 +5,7 @@ set(EPX_TOOLS_TEST_CASES
     launch_env launch_output launch_failure launch_exec_failure launch_timeout
     launch_forward_signal launch_bad_flag launch_mps params_list params_bad_value version
     bench_bad_flag bench_check bench_json bench_fanout bench_nodes bench_ll_check bench_ll_json soak
-    soak_inject soak_bad_flag)
+    soak_inject soak_rejoin soak_bad_flag)
 foreach(case ${EPX_TOOLS_TEST_CASES})
   add_test(NAME tools.${case} COMMAND sh ${EPX_TOOLS_TEST_SCRIPT} $<TARGET_FILE:epx_tool> ${case})
   set_tests_properties(tools.${case} PROPERTIES TIMEOUT 120)

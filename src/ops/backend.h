@@ -73,6 +73,11 @@ struct epx_buffer {
      * buffer stays usable; epx_get_async_error reports it when nothing worse happened. */
     _Atomic int ll_peer_error;
     char ll_peer_message[512];
+    /* Set by a rejoin (src/epx_ll_rejoin.c) on every rank: the buffer serves low-latency
+     * mode only; normal-mode calls are refused (the rank that rejoined has no normal-mode
+     * memory). `rejoined` names the last rank that rejoined, for the message. */
+    int low_latency_only;
+    int rejoined;
 };
 
 /*
@@ -200,6 +205,21 @@ struct epx__backend_ops {
      */
     epx_status_t (*fanout_copy)(epx_buffer_t buffer, const epx_fanout_args_t *args,
                                 void *stream);
+
+    /*
+     * Rejoin (epx_ll_rejoin, epx_buffer_create_rejoin; src/epx_ll_rejoin.c). Optional.
+     * ll_rejoin_check: local, before the ranks agree: EPX_SUCCESS, or why this backend
+     * cannot take a rank back (NULL: it can when ll_rejoin is set, else the generic
+     * EPX_ERR_UNSUPPORTED). ll_rejoin: collective over `ranks`, the new group (every
+     * rank), after every rank agreed on who joins (joiners[r] = 1) and that no operation
+     * is in flight. A survivor passes its running buffer; a joiner a new buffer whose
+     * generic fields are set and impl NULL, which it fills. On success every joiner is
+     * unmasked on every rank and the slots' sequence state is shared; on failure a
+     * survivor's buffer is as it was (the joiners still masked), a joiner's impl NULL.
+     */
+    epx_status_t (*ll_rejoin_check)(epx_group_t group);
+    epx_status_t (*ll_rejoin)(epx_buffer_t buffer, const epx__transport_ranks_t *ranks,
+                              const unsigned char *joiners);
 };
 
 /*

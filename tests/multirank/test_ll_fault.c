@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "harness.h"
-#include "moe_ll.h"
+#include "ll_step.h"
 #include "test_util.h"
 
 #define NUM_RANKS 4
@@ -34,113 +34,7 @@
 #define HIDDEN 128
 
 static epx_group_info_t info = EPX_GROUP_INFO_INIT;
-
-typedef struct {
-    moe_case_t c;
-    moe_inputs_t in;
-    uint16_t *out;
-    epx_ll_dispatch_result_t got;
-} step_t;
-
-static void step_init(step_t *s, uint64_t seed)
-{
-    memset(s, 0, sizeof *s);
-    s->c = (moe_case_t){NUM_RANKS, MAX_TOKENS, HIDDEN, EXPERTS_PER_RANK * NUM_RANKS, TOPK,
-                        EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.2, -1, 0};
-    CHECK_EQ_INT(moe_ll_inputs_make(&s->c, info.rank, &s->in), 0);
-    s->out = malloc((size_t)(MAX_TOKENS * HIDDEN) * 2);
-    CHECK(s->out != NULL);
-    memset(s->out, 0xff, (size_t)(MAX_TOKENS * HIDDEN) * 2); /* NaNs until written */
-    s->got = (epx_ll_dispatch_result_t)EPX_LL_DISPATCH_RESULT_INIT;
-}
-
-static void step_free(step_t *s)
-{
-    moe_inputs_free(&s->in);
-    free(s->out);
-}
-
-static epx_status_t step_dispatch(epx_buffer_t buffer, step_t *s)
-{
-    epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
-    args.x = epx_tensor_2d(s->in.x, EPX_DTYPE_BF16, s->in.num_tokens, HIDDEN);
-    args.topk_idx = epx_tensor_2d(s->in.topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
-    return epx_ll_dispatch(buffer, &args, &s->got, NULL);
-}
-
-/* The dispatch results against the oracle with `mask`. */
-static void check_dispatch(const step_t *s, const uint8_t *mask, const char *what)
-{
-    moe_ll_expected_t e;
-    moe_ll_cast_t bf16 = {0, 0, 0};
-    CHECK_EQ_INT(moe_ll_oracle_dispatch(&s->c, info.rank, MAX_TOKENS, mask, bf16, &e), 0);
-    const int32_t *count = s->got.recv_count.data;
-    const int32_t *src = s->got.recv_src_info.data;
-    const uint16_t *x = s->got.recv_x.data;
-    CHECK(count != NULL && src != NULL && x != NULL);
-    for (int local = 0; local < e.num_local; local++) {
-        if (count[local] != e.count[local])
-            TEST_FAIL("rank %d %s: expert %d received %d rows, oracle %d", info.rank, what,
-                      local, count[local], e.count[local]);
-        for (int64_t i = 0; i < e.count[local]; i++) {
-            int64_t row = local * e.rows + i;
-            if (src[row] != e.src_token[row] ||
-                memcmp(x + row * HIDDEN, (const uint16_t *)e.x + row * HIDDEN, HIDDEN * 2) != 0)
-                TEST_FAIL("rank %d %s: expert %d row %lld differs from the oracle", info.rank,
-                          what, local, (long long)i);
-        }
-    }
-    moe_ll_expected_free(&e);
-}
-
-/* Combine with the expert outputs of the received rows; `*status` is the call's. */
-static epx_status_t step_combine(epx_buffer_t buffer, step_t *s, epx_ll_combine_result_t *result)
-{
-    int64_t rows = (int64_t)MAX_TOKENS * NUM_RANKS;
-    uint16_t *x = calloc((size_t)(EXPERTS_PER_RANK * rows * HIDDEN), 2);
-    CHECK(x != NULL);
-    const int32_t *count = s->got.recv_count.data;
-    const int32_t *src = s->got.recv_src_info.data;
-    const int64_t *range = s->got.recv_layout_range.data;
-    for (int local = 0; local < EXPERTS_PER_RANK; local++)
-        for (int r = 0; r < NUM_RANKS; r++) {
-            int64_t begin = (int64_t)((uint64_t)range[local * NUM_RANKS + r] >> 32);
-            int64_t n = range[local * NUM_RANKS + r] & 0xffffffff;
-            for (int64_t i = begin; i < begin + n && i < count[local]; i++)
-                moe_ll_expert_row(&s->c, (int64_t)info.rank * EXPERTS_PER_RANK + local, r,
-                                  src[local * rows + i], x + ((size_t)local * rows + i) * HIDDEN);
-        }
-    epx_ll_combine_args_t args = EPX_LL_COMBINE_ARGS_INIT;
-    args.handle = s->got.handle;
-    args.x.data = x;
-    args.x.dtype = EPX_DTYPE_BF16;
-    args.x.ndim = 3;
-    args.x.shape[0] = EXPERTS_PER_RANK;
-    args.x.shape[1] = rows;
-    args.x.shape[2] = HIDDEN;
-    args.topk_idx = epx_tensor_2d(s->in.topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
-    args.topk_weights = epx_tensor_2d(s->in.topk_weights, EPX_DTYPE_FP32, s->in.num_tokens, TOPK);
-    args.out = epx_tensor_2d(s->out, EPX_DTYPE_BF16, s->in.num_tokens, HIDDEN);
-    epx_status_t status = epx_ll_combine(buffer, &args, result, NULL);
-    free(x);
-    return status;
-}
-
-static void check_combine(const step_t *s, const uint8_t *mask, int64_t reported_masked,
-                          const char *what)
-{
-    uint16_t *want;
-    int64_t masked;
-    CHECK_EQ_INT(moe_ll_oracle_combine(&s->c, info.rank, mask, &want, &masked), 0);
-    if (reported_masked != masked)
-        TEST_FAIL("rank %d %s: num_masked_entries %lld, oracle %lld", info.rank, what,
-                  (long long)reported_masked, (long long)masked);
-    for (int64_t i = 0; i < s->in.num_tokens * HIDDEN; i++)
-        if (s->out[i] != want[i])
-            TEST_FAIL("rank %d %s: combine out[%lld][%lld] = 0x%04x, oracle 0x%04x", info.rank,
-                      what, (long long)(i / HIDDEN), (long long)(i % HIDDEN), s->out[i], want[i]);
-    free(want);
-}
+static const ll_shape_t shape = {NUM_RANKS, EXPERTS_PER_RANK, TOPK, HIDDEN, MAX_TOKENS};
 
 /* A failed wait: the right class, naming the lost rank, in time. */
 static void check_peer_failure(epx_status_t status, double elapsed_ms, const char *what,
@@ -196,14 +90,7 @@ static int run_child(int argc, char **argv, const char *variant)
     mask[LOST] = 1;
 
     /* Step 0: everyone. */
-    step_t s;
-    epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
-    step_init(&s, 10);
-    CHECK_OK(step_dispatch(buffer, &s));
-    check_dispatch(&s, NULL, "step 0");
-    CHECK_OK(step_combine(buffer, &s, &result));
-    check_combine(&s, NULL, result.num_masked_entries, "step 0");
-    step_free(&s);
+    ll_step_run_checked(buffer, &shape, info.rank, 10, NULL, 0, "step 0");
 
     /* Step 1: rank 3 is lost before its dispatch or before its combine. */
     int kill_first = strcmp(variant, "combine") != 0;
@@ -215,9 +102,12 @@ static int run_child(int argc, char **argv, const char *variant)
         }
         raise(SIGKILL);
     }
-    step_init(&s, 11);
+    ll_step_t s;
+    ll_step_init(&s, &shape, info.rank, 11);
+    /* Rows sent to rank 3 before its loss was known are not counted as masked. */
+    s.check_dispatch_masked = !kill_first;
     double start = mr_now_ms();
-    epx_status_t status = step_dispatch(buffer, &s);
+    epx_status_t status = ll_step_dispatch(buffer, &s, 0);
     double elapsed = mr_now_ms() - start;
     if (kill_first) {
         check_peer_failure(status, elapsed, "step 1 dispatch", stopped);
@@ -228,10 +118,9 @@ static int run_child(int argc, char **argv, const char *variant)
             raise(SIGKILL);
     }
     /* Written all the same: rank 3's rows are absent, the others are all there. */
-    check_dispatch(&s, kill_first ? mask : NULL, "step 1 dispatch");
+    ll_step_check_dispatch(&s, kill_first ? mask : NULL, "step 1 dispatch");
     start = mr_now_ms();
-    result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
-    status = step_combine(buffer, &s, &result);
+    status = ll_step_combine(buffer, &s, 0);
     elapsed = mr_now_ms() - start;
     if (kill_first) {
         CHECK_OK(status); /* rank 3 was masked by the failed dispatch */
@@ -239,25 +128,18 @@ static int run_child(int argc, char **argv, const char *variant)
         check_peer_failure(status, elapsed, "step 1 combine", 0);
         check_masked_query(buffer);
     }
-    check_combine(&s, mask, result.num_masked_entries, "step 1 combine");
+    ll_step_check_combine(&s, mask, "step 1 combine");
     /* The handle stayed valid: the step can be combined again, with the same result. */
     memset(s.out, 0xff, (size_t)(MAX_TOKENS * HIDDEN) * 2);
-    result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
-    CHECK_OK(step_combine(buffer, &s, &result));
-    check_combine(&s, mask, result.num_masked_entries, "step 1 combined again");
-    step_free(&s);
+    CHECK_OK(ll_step_combine(buffer, &s, 0));
+    ll_step_check_combine(&s, mask, "step 1 combined again");
+    ll_step_free(&s);
 
     /* Steps 2 and 3: serving goes on without rank 3. */
     for (int i = 2; i < 4; i++) {
         char what[32];
         snprintf(what, sizeof what, "step %d", i);
-        step_init(&s, 10 + (uint64_t)i);
-        CHECK_OK(step_dispatch(buffer, &s));
-        check_dispatch(&s, mask, what);
-        result = (epx_ll_combine_result_t)EPX_LL_COMBINE_RESULT_INIT;
-        CHECK_OK(step_combine(buffer, &s, &result));
-        check_combine(&s, mask, result.num_masked_entries, what);
-        step_free(&s);
+        ll_step_run_checked(buffer, &shape, info.rank, 10 + (uint64_t)i, mask, 0, what);
     }
     check_masked_query(buffer);
     /* The destroy's vote cannot include rank 3: it may report that, and frees anyway. */

@@ -54,7 +54,7 @@ add_test(NAME multirank.create_killed COMMAND test_create_killed --backend host)
 set_tests_properties(multirank.create_killed PROPERTIES TIMEOUT 300 LABELS multirank)
 
 # A rank lost in low-latency serving: the step completes without it (CPU backend).
-add_executable(test_ll_fault ${EPX_MULTIRANK_DIR}/test_ll_fault.c)
+add_executable(test_ll_fault ${EPX_MULTIRANK_DIR}/test_ll_fault.c ${EPX_MULTIRANK_DIR}/ll_step.c)
 target_link_libraries(test_ll_fault PRIVATE epx_multirank_common)
 add_test(NAME multirank.ll_fault COMMAND test_ll_fault)
 set_tests_properties(multirank.ll_fault PROPERTIES TIMEOUT 120 LABELS multirank)
@@ -75,3 +75,10 @@ foreach(ranks 1 2 4 8)
            COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_ll> --backend ${EPX_TEST_BACKEND})
   set_tests_properties(multirank.ll.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
 endforeach()
+
+# Rejoin in low-latency mode: a lost rank's replacement joins the running buffer (CPU
+# backend; its own launcher, as ll_fault).
+add_executable(test_ll_rejoin ${EPX_MULTIRANK_DIR}/test_ll_rejoin.c ${EPX_MULTIRANK_DIR}/ll_step.c)
+target_link_libraries(test_ll_rejoin PRIVATE epx_multirank_common)
+add_test(NAME multirank.ll_rejoin COMMAND test_ll_rejoin)
+set_tests_properties(multirank.ll_rejoin PROPERTIES TIMEOUT 180 LABELS multirank)

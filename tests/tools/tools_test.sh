@@ -556,6 +556,29 @@ assert summary["checked"] > 0, summary
 PY
     fi
     ;;
+soak_rejoin)
+    # Rank 0 (the first group's rendezvous hub) is killed 3 s in; 2 s later a new process
+    # takes its place and rejoins; every later round is checked with it in.
+    run env EPX_TIMEOUT_MS=3000 "$EPX" bench -n 4 --backend host --soak 10s --window 3s \
+        --tokens 32 --hidden 512 --experts 16 --topk 4 --ll-tokens 8 --soak-modes ll \
+        --inject kill 0@3 --rejoin-after 2s --json
+    expect_rc 0
+    expect_err 'rank 0: starting a replacement process'
+    expect_err 'rank 0 rejoined at'
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "the soak's summary does not show the rejoin"
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1])]
+summary = lines[-1]
+assert summary["soak_summary"] and summary["failed"] == 0 and summary["mismatches"] == 0, summary
+assert summary["peer_losses"] >= 1 and 0 < summary["detect_ms"] < 3000, summary
+assert summary["rejoined"] is True and summary["rejoin_ms"] > 0, summary
+assert summary["checked_after_rejoin"] > 0 and summary["mismatches_after_rejoin"] == 0, summary
+# After the rejoin the windows are every rank's again.
+assert lines[-2]["ranks"] == 4 and lines[-2]["peer_losses"] == 0, lines[-2]
+PY
+    fi
+    ;;
 soak_bad_flag)
     run "$EPX" bench --soak 10x
     expect_rc 2
@@ -567,6 +590,13 @@ soak_bad_flag)
         --experts 4 --topk 2
     expect_rc 2
     expect_err "inject needs --soak-modes ll"
+    run "$EPX" bench --soak 5s --rejoin-after 0s
+    expect_rc 2
+    expect_err "bad value for --rejoin-after: '0s'"
+    run "$EPX" bench -n 2 --backend host --soak 5s --soak-modes ll --inject stop 1@2 \
+        --rejoin-after 1s --tokens 8 --hidden 128 --experts 4 --topk 2
+    expect_rc 2
+    expect_err "rejoin-after needs --inject kill and the CPU backend"
     ;;
 *)
     fail "unknown case"

@@ -431,8 +431,21 @@ static int run_normal(epx_group_t group, const epx__bench_options_t *o,
     return failed;
 }
 
+/* The soak's replacement of a killed rank: no group from the launch (bench_soak.c). */
+static int run_replacement(const epx__bench_options_t *o)
+{
+    epx__bench_device_t device;
+    epx__bench_must(-1, epx__bench_device_init(&device, EPX_BACKEND_HOST, -1),
+                    "bench device setup");
+    int failed = epx__bench_soak_newcomer(o, &device);
+    epx__bench_device_fini(&device);
+    return failed;
+}
+
 static int run(const epx__bench_options_t *o)
 {
+    if (o->soak.rejoin_id[0] != '\0')
+        return run_replacement(o);
     epx_group_t group = NULL;
     epx__bench_must(-1, epx_group_create_from_env(o->backend, &group), "epx_group_create_from_env");
     epx_group_info_t info = EPX_GROUP_INFO_INIT;

@@ -90,6 +90,12 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
  */
 int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device);
+/*
+ * The replacement of a killed rank (started by the soak itself with --soak-rejoin ID):
+ * form the rejoin's group, join the survivors' buffer (epx_buffer_create_rejoin) and run
+ * the rest of the soak with them. Returns as epx__bench_soak_run.
+ */
+int epx__bench_soak_newcomer(const epx__bench_options_t *options, epx__bench_device_t *device);
 
 /* Every rank's `bytes` at `mine` into `all` (rank order) through the group's rendezvous
  * channel: small, off the timed path. Ends the process on failure. */

@@ -19,6 +19,13 @@
  * After that the lowest surviving rank prints its own windows. A killed victim runs as
  * a child of its rank's process, which exits 0 when the child died as planned, so that
  * `epx launch` does not stop the survivors.
+ *
+ * Rejoin (--rejoin-after D, with kill). At the injection rank 0 also plans the rejoin:
+ * the round it comes at (from the rate so far) and the unique id of its group, both in
+ * the control words. The victim's parent starts the replacement (bench_soak_rejoin.c);
+ * at that round the survivors form the group with it and call epx_ll_rejoin, all of them
+ * take the first survivor's round and clock, and the soak goes back to the synced phase
+ * over the new group, the rank unmasked: every later round is checked with it in.
  */
 #include <math.h>
 #include <signal.h>
@@ -47,7 +54,9 @@ const char epx__soak_usage[] =
     "  --soak-modes M    normal, ll or both (both): which mode's rounds to run\n"
     "  --ll-tokens N     low-latency rounds: the buffer's max_low_latency_tokens (128)\n"
     "  --inject K R@T    kill or stop rank R T seconds into the soak (low-latency rounds):\n"
-    "                    the others must mask it and keep serving\n";
+    "                    the others must mask it and keep serving\n"
+    "  --rejoin-after D  with --inject kill (CPU backend): D after the kill a new process\n"
+    "                    takes the rank's place and rejoins; later rounds checked with it\n";
 
 const char *epx__soak_op_name(epx__soak_op_t op)
 {
@@ -122,6 +131,13 @@ int epx__soak_match(int argc, char **argv, int *index, epx__soak_options_t *soak
             (soak->inject_at_s = parse_duration(end + 1)) <= 0)
             return bad("--inject", at);
         soak->inject_rank = (int)rank;
+    } else if ((matched = epx__match_value(argc, argv, index, "--rejoin-after", &value)) != 0) {
+        if (matched < 0 || (soak->rejoin_after_s = parse_duration(value)) <= 0)
+            return bad("--rejoin-after", value);
+    } else if ((matched = epx__match_value(argc, argv, index, "--soak-rejoin", &value)) != 0) {
+        if (matched < 0 || strlen(value) >= sizeof(soak->rejoin_id))
+            return bad("--soak-rejoin", value);
+        snprintf(soak->rejoin_id, sizeof(soak->rejoin_id), "%s", value);
     } else {
         return 0;
     }
@@ -343,6 +359,10 @@ typedef struct {
     int64_t rounds_left; /* rank 0, with inject: rounds still to run */
     int64_t window_rounds; /* rank 0, with inject: rounds per window from here on */
     double elapsed_s;    /* rank 0's clock */
+    /* rank 0, with inject and --rejoin-after: rounds after the injection until the
+     * rejoin (0 = none: the soak ends first), and the unique id of the rejoin's group. */
+    int64_t rejoin_rounds;
+    char rejoin_id[EPX__SOAK_ID_BYTES];
 } control_t;
 
 typedef struct {
@@ -361,7 +381,26 @@ typedef struct {
     int any_failed;   /* some rank's (learned at the syncs) */
     int async_seen;
     int64_t my_mismatches;
+    int injected;  /* the injection happened, or this is the replacement: not again */
+    int report_fd; /* the victim's pipe to its parent (bench_soak_rejoin.c), or -1 */
+    /* --rejoin-after */
+    int rejoin_failed, rejoined;
+    double lost_at_s;   /* soak time of the injection */
+    double rejoin_at_s; /* soak time of the rejoin */
+    double rejoin_ms;   /* the survivors' group creation and epx_ll_rejoin */
+    int64_t checked_after_rejoin, mismatches_after_rejoin; /* every rank's, from the windows */
+    epx_group_t rejoin_group;
 } soak_run_t;
+
+/* Where the soak is: its clock, its windows, its rounds. */
+typedef struct {
+    int64_t start_ns;
+    double window_s;
+    double window_start, next_window;
+    int64_t round;
+    int printer;        /* the rank that prints the windows and the summary */
+    control_t decision; /* the last sync's */
+} schedule_t;
 
 /* This rank's window: percentiles of its series (emptied), memory, counts. */
 static window_t close_window(soak_run_t *run)
@@ -389,6 +428,10 @@ static void note_window(soak_run_t *run, const window_t *w)
     run->async_errors += w->async_errors;
     if (run->detect_us == 0)
         run->detect_us = w->detect_us;
+    if (run->rejoined) {
+        run->checked_after_rejoin += w->checked;
+        run->mismatches_after_rejoin += w->mismatches;
+    }
 }
 
 static void run_round(soak_run_t *run, int64_t round)
@@ -440,11 +483,15 @@ static void print_summary(soak_run_t *run, int ranks, double elapsed_s)
         printf("{\"soak_summary\": true, \"elapsed_s\": %.1f, \"ranks\": %d, \"windows\": %d, "
                "\"rounds\": %lld, \"checked\": %lld, \"mismatches\": %lld, \"peer_losses\": "
                "%lld, \"detect_ms\": %.3f, \"failed\": %d, \"host_rss_growth_mb\": %.1f, "
-               "\"gpu_used_growth_mb\": %.1f, \"memory_growth\": %s, \"p99_drift\": {",
+               "\"gpu_used_growth_mb\": %.1f, \"memory_growth\": %s, \"rejoined\": %s, "
+               "\"rejoin_ms\": %.3f, \"rejoin_after_loss_s\": %.1f, \"checked_after_rejoin\": "
+               "%lld, \"mismatches_after_rejoin\": %lld, \"p99_drift\": {",
                elapsed_s, ranks, run->windows, (long long)run->rounds, (long long)run->checked,
                (long long)run->mismatches, (long long)run->peer_losses, run->detect_us / 1e3,
-               run->failed || run->any_failed, rss_growth,
-               gpu_growth, growth ? "true" : "false");
+               run->failed || run->any_failed || run->rejoin_failed, rss_growth, gpu_growth,
+               growth ? "true" : "false", run->rejoined ? "true" : "false", run->rejoin_ms,
+               run->rejoined ? run->rejoin_at_s - run->lost_at_s : 0.0,
+               (long long)run->checked_after_rejoin, (long long)run->mismatches_after_rejoin);
         int first = 1;
         for (int op = 0; op < EPX__SOAK_OP_COUNT; op++) {
             if (a->ops[op].count == 0 || b->ops[op].count == 0)
@@ -461,10 +508,17 @@ static void print_summary(soak_run_t *run, int ranks, double elapsed_s)
            "%lld mismatches, %lld peer losses%s\n",
            elapsed_s, ranks, run->windows, (long long)run->rounds, (long long)run->checked,
            (long long)run->mismatches, (long long)run->peer_losses,
-           run->failed || run->any_failed ? ", FAILED" : "");
+           run->failed || run->any_failed || run->rejoin_failed ? ", FAILED" : "");
     if (run->detect_us > 0)
         printf("  a lost rank was detected (masked, serving went on) in %.1f ms\n",
                run->detect_us / 1e3);
+    if (run->rejoined)
+        printf("  rank %d rejoined %.1f s after its loss (new group and epx_ll_rejoin: %.1f ms); "
+               "since then %lld oracle comparisons, %lld mismatches\n",
+               run->so->inject_rank, run->rejoin_at_s - run->lost_at_s, run->rejoin_ms,
+               (long long)run->checked_after_rejoin, (long long)run->mismatches_after_rejoin);
+    else if (run->rejoin_failed)
+        printf("  rank %d did not rejoin (FAILED, see the messages above)\n", run->so->inject_rank);
     printf("  host RSS %.1f MiB after the first window, %.1f MiB at the end (%+.1f MiB): %s\n",
            a->rss_mb, b->rss_mb, rss_growth, growth ? "GROWTH" : "no growth");
     if (a->gpu_mb >= 0)
@@ -482,45 +536,25 @@ static void print_summary(soak_run_t *run, int ranks, double elapsed_s)
 /*
  * The victim's own end: SIGKILL (on the CUDA backend, where the process cannot fork a
  * child to die in its place, an immediate _exit with no cleanup: to the peers the same
- * loss), or silence past everyone's last wait.
+ * loss), or silence past everyone's last wait. A victim to be replaced first tells its
+ * parent the rejoin's group (bench_soak_rejoin.c).
  */
-static void act_as_victim(const epx__soak_options_t *so, double elapsed_s, int64_t timeout_ms,
-                          int cuda)
+static void act_as_victim(const soak_run_t *run, const control_t *decision, int64_t timeout_ms)
 {
+    const epx__soak_options_t *so = run->so;
     fprintf(stderr, "epx bench: soak: rank %d: %s myself at %.1f s (--inject)\n", so->inject_rank,
-            so->inject == EPX__SOAK_INJECT_KILL ? "killing" : "stopping", elapsed_s);
+            so->inject == EPX__SOAK_INJECT_KILL ? "killing" : "stopping", decision->elapsed_s);
     fflush(stderr);
     if (so->inject == EPX__SOAK_INJECT_KILL) {
-        if (cuda)
+        if (run->soak.cuda)
             _exit(0);
+        if (decision->rejoin_rounds > 0)
+            epx__soak_report_rejoin(run->report_fd, decision->rejoin_id);
         raise(SIGKILL);
     }
-    double remaining = so->duration_s - elapsed_s;
+    double remaining = so->duration_s - decision->elapsed_s;
     sleep((unsigned)(fmax(remaining, 0) + 2.0 * (double)timeout_ms / 1e3 + 5));
     _exit(0);
-}
-
-/*
- * A victim that kills itself does so in a child: this process (the one `epx launch`
- * watches) waits and exits 0 when the child died of the planned SIGKILL.
- */
-static void fork_victim(void)
-{
-    fflush(stdout);
-    fflush(stderr);
-    pid_t child = fork();
-    if (child < 0) {
-        fprintf(stderr, "epx bench: soak: fork: cannot run the victim apart\n");
-        exit(1);
-    }
-    if (child == 0)
-        return;
-    int status = 0;
-    while (waitpid(child, &status, 0) < 0)
-        ;
-    if (WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
-        _exit(0);
-    _exit(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
 }
 
 static void soak_alloc(epx__soak_t *soak)
@@ -574,6 +608,279 @@ static void gather_window(soak_run_t *run, int printer, double start_s, double e
     free(all);
 }
 
+/* This rank's own window (after an injection, when the ranks no longer talk). */
+static void own_window(soak_run_t *run, schedule_t *sc)
+{
+    double now = (double)(epx__tool_now_ns() - sc->start_ns) / 1e9;
+    window_t w = close_window(run);
+    note_window(run, &w);
+    if (run->soak.rank == sc->printer)
+        print_window(stdout, run->options->json, run->windows, sc->window_start, now, &w, 1);
+    sc->window_start = now;
+}
+
+/* Everything a run needs but the buffer: the soak's view of the group and options. */
+static void soak_init(soak_run_t *run, const epx__bench_options_t *options, epx_group_t group,
+                      const epx_group_info_t *info, epx__bench_device_t *device,
+                      schedule_t *sc, epx_buffer_config_t *config)
+{
+    const epx__soak_options_t *so = &options->soak;
+    memset(run, 0, sizeof(*run));
+    run->options = options;
+    run->so = so;
+    run->report_fd = -1;
+    epx__soak_t *soak = &run->soak;
+    soak->group = group;
+    soak->device = device;
+    soak->rank = info->rank;
+    soak->world = info->world_size;
+    soak->ranks_per_node = info->ranks_per_node;
+    soak->cuda = info->backend == EPX_BACKEND_CUDA;
+    soak->max_tokens = options->tokens;
+    soak->ll_tokens = so->run_ll ? so->ll_tokens : 0;
+    soak->hidden = options->hidden;
+    soak->experts = options->experts;
+    soak->topk = options->topk;
+    soak->ll_dtype = options->ll_dtype;
+
+    *config = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
+    config->max_tokens_per_rank = options->tokens;
+    config->hidden = options->hidden;
+    config->num_experts = options->experts;
+    config->num_topk = options->topk;
+    config->num_sms = options->sms;
+    config->max_low_latency_tokens = soak->ll_tokens;
+    config->low_latency_dtype = options->ll_dtype;
+
+    memset(sc, 0, sizeof(*sc));
+    sc->window_s = so->window_s > 0 ? so->window_s : fmin(60.0, so->duration_s / 10.0);
+    if (sc->window_s < 1)
+        sc->window_s = 1;
+    sc->next_window = sc->window_s;
+}
+
+/*
+ * One untimed round of each mode asked for: what a process pays once (loading kernels,
+ * NVSHMEM's first touch of its memory, a replacement's first touch of the segments) is
+ * not a latency of the soak. Collective; 0 when it failed (message printed).
+ */
+static int warm_up(soak_run_t *run, int normal, int ll)
+{
+    epx__soak_t *soak = &run->soak;
+    soak->synced = 1;
+    for (int mode = 0; mode < 2; mode++) {
+        if (!(mode == 0 ? normal : ll))
+            continue;
+        epx__soak_round_t warm;
+        memset(&warm, 0, sizeof(warm));
+        uint64_t seed = run->options->seed * 0x100000001b3ull - 1 - (uint64_t)mode;
+        if (mode == 0)
+            epx__soak_normal_round(soak, seed, 0, &warm);
+        else
+            epx__soak_ll_round(soak, seed, 0, &warm);
+        if (warm.failed || warm.peer_losses > 0) {
+            fprintf(stderr, "epx bench: soak: rank %d: the warm-up round failed\n", soak->rank);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Rank 0 at the injection: when the rejoin comes (in rounds) and the id of its group. */
+static void plan_rejoin(const soak_run_t *run, double rate, control_t *mine)
+{
+    const epx__soak_options_t *so = run->so;
+    if (so->rejoin_after_s <= 0)
+        return;
+    int64_t rounds = (int64_t)(rate * so->rejoin_after_s) + 1;
+    epx_unique_id_t id;
+    if (rounds >= mine->rounds_left) {
+        fprintf(stderr, "epx bench: soak: the soak ends before --rejoin-after: no rejoin\n");
+    } else if (epx_get_unique_id(&id) != EPX_SUCCESS ||
+               epx_unique_id_to_string(&id, mine->rejoin_id, sizeof(mine->rejoin_id)) !=
+                   EPX_SUCCESS) {
+        fprintf(stderr, "epx bench: soak: no unique id for the rejoin: %s\n", epx_last_error());
+    } else {
+        mine->rejoin_rounds = rounds;
+    }
+}
+
+/*
+ * The synced phase: rounds, and every SYNC_ROUNDS the control words go round; ends when
+ * rank 0 says stop, or at the injection.
+ */
+static void synced_phase(soak_run_t *run, schedule_t *sc)
+{
+    const epx__soak_options_t *so = run->so;
+    epx__soak_t *soak = &run->soak;
+    int stop = 0;
+    while (!stop) {
+        for (int i = 0; i < SYNC_ROUNDS && !run->failed; i++)
+            run_round(run, sc->round++);
+        double elapsed = (double)(epx__tool_now_ns() - sc->start_ns) / 1e9;
+        control_t mine;
+        memset(&mine, 0, sizeof(mine));
+        mine.failed = run->failed;
+        if (soak->rank == 0) {
+            mine.elapsed_s = elapsed;
+            mine.stop = elapsed >= so->duration_s;
+            mine.window_end = elapsed >= sc->next_window || mine.stop;
+            if (so->inject != EPX__SOAK_INJECT_NONE && !run->injected &&
+                elapsed >= so->inject_at_s) {
+                double rate = (double)sc->round / fmax(elapsed, 1e-3);
+                mine.inject = 1;
+                mine.rounds_left = (int64_t)(rate * fmax(so->duration_s - elapsed, 0)) + 1;
+                mine.window_rounds = (int64_t)(rate * sc->window_s) + 1;
+                mine.stop = 0;
+                plan_rejoin(run, rate, &mine);
+            }
+        }
+        control_t *all = must_alloc((size_t)soak->world * sizeof(control_t));
+        epx__bench_allgather(soak->group, &mine, all, sizeof(mine), "soak control");
+        sc->decision = all[0];
+        int any_failed = 0;
+        for (int r = 0; r < soak->world; r++)
+            any_failed |= all[r].failed;
+        free(all);
+        if (any_failed)
+            sc->decision.stop = sc->decision.window_end = 1, sc->decision.inject = 0;
+        run->any_failed |= any_failed;
+        if (sc->decision.window_end || sc->decision.inject) {
+            gather_window(run, sc->printer, sc->window_start, sc->decision.elapsed_s);
+            sc->window_start = sc->decision.elapsed_s;
+            sc->next_window = sc->decision.elapsed_s + sc->window_s;
+        }
+        stop = sc->decision.stop || sc->decision.inject;
+    }
+}
+
+/* What the ranks say to each other after a rejoin, so that the replacement catches up. */
+typedef struct {
+    int32_t newcomer;
+    int32_t pad;
+    int64_t round;
+    double elapsed_s;
+    double lost_at_s;
+} resume_t;
+
+/* After a rejoin: every rank takes the first survivor's round and clock. */
+static void resume(soak_run_t *run, schedule_t *sc, int newcomer)
+{
+    epx__soak_t *soak = &run->soak;
+    resume_t mine = {newcomer, 0, sc->round,
+                     (double)(epx__tool_now_ns() - sc->start_ns) / 1e9, run->lost_at_s};
+    resume_t *all = must_alloc((size_t)soak->world * sizeof(resume_t));
+    epx__bench_allgather(soak->group, &mine, all, sizeof(mine), "soak resume");
+    int first = 0;
+    while (first < soak->world - 1 && all[first].newcomer)
+        first++;
+    resume_t agreed = all[first];
+    free(all);
+    if (newcomer) {
+        sc->start_ns = epx__tool_now_ns() - (int64_t)(agreed.elapsed_s * 1e9);
+        sc->round = agreed.round;
+        run->lost_at_s = agreed.lost_at_s;
+    }
+    sc->window_start = agreed.elapsed_s;
+    sc->next_window = agreed.elapsed_s + sc->window_s;
+    memset(&sc->decision, 0, sizeof(sc->decision));
+    run->injected = 1;
+    run->rejoined = 1;
+    run->rejoin_at_s = agreed.elapsed_s;
+}
+
+/* A survivor at the planned round: the new group, then epx_ll_rejoin. 1 on success. */
+static int rejoin_survivor(soak_run_t *run, schedule_t *sc)
+{
+    epx__soak_t *soak = &run->soak;
+    int64_t start = epx__tool_now_ns();
+    epx_group_t group = NULL;
+    epx_status_t status = epx__soak_rejoin_group(sc->decision.rejoin_id, soak->rank, soak->world,
+                                                 0, &group);
+    if (status == EPX_SUCCESS)
+        status = epx_ll_rejoin(soak->buffer, group);
+    double ms = (double)(epx__tool_now_ns() - start) / 1e6;
+    if (status != EPX_SUCCESS) {
+        fprintf(stderr, "epx bench: soak: rank %d: the rejoin of rank %d failed after %.0f ms: "
+                        "%s: %s; serving on with it masked\n",
+                soak->rank, run->so->inject_rank, ms, epx_status_name(status),
+                epx__tool_error_text());
+        if (group != NULL)
+            epx_group_destroy(group);
+        run->rejoin_failed = 1;
+        return 0;
+    }
+    run->rejoin_ms = ms;
+    run->rejoin_group = group;
+    soak->group = group;
+    resume(run, sc, 0);
+    if (!warm_up(run, 0, 1)) /* with the replacement, which warms up too */
+        run->failed = 1;
+    if (soak->rank == sc->printer)
+        fprintf(stderr, "epx bench: soak: rank %d rejoined at %.1f s (%.1f ms)\n",
+                run->so->inject_rank, run->rejoin_at_s, ms);
+    return 1;
+}
+
+/*
+ * The injected phase: the victim acts; the others run a fixed number of rounds with no
+ * exchange (the rendezvous goes through rank 0, which may be the one lost), windows by
+ * round count. With a rejoin planned, at its round the survivors take the replacement in
+ * and the soak goes back to the synced phase over the new group.
+ */
+static void injected_phase(soak_run_t *run, schedule_t *sc, int victim)
+{
+    const epx__soak_options_t *so = run->so;
+    run->injected = 1;
+    run->lost_at_s = sc->decision.elapsed_s;
+    sc->printer = so->inject_rank == 0 ? 1 : 0;
+    run->soak.synced = 0; /* no barrier before each op: the rendezvous may be gone */
+    if (victim)
+        act_as_victim(run, &sc->decision, epx__tool_param_int("EPX_TIMEOUT_MS"));
+    int64_t in_window = 0;
+    for (int64_t i = 0; i < sc->decision.rounds_left && !run->failed; i++) {
+        if (sc->decision.rejoin_rounds > 0 && i == sc->decision.rejoin_rounds) {
+            if (in_window > 0)
+                own_window(run, sc);
+            in_window = 0;
+            if (rejoin_survivor(run, sc)) {
+                synced_phase(run, sc);
+                return;
+            }
+        }
+        run_round(run, sc->round++);
+        if (++in_window == sc->decision.window_rounds || i + 1 == sc->decision.rounds_left) {
+            own_window(run, sc);
+            in_window = 0;
+        }
+    }
+}
+
+/* The end: summary, memory, goodbyes. Returns the exit status. */
+static int finish(soak_run_t *run, schedule_t *sc)
+{
+    epx__soak_t *soak = &run->soak;
+    double elapsed = (double)(epx__tool_now_ns() - sc->start_ns) / 1e9;
+    if (soak->rank == sc->printer)
+        print_summary(run, soak->world, elapsed);
+    int failed = run->failed || run->my_mismatches > 0 || run->rejoin_failed;
+    soak_free(soak);
+    for (int op = 0; op < EPX__SOAK_OP_COUNT; op++)
+        free(run->series[op].values);
+    if (run->injected && !run->rejoined) {
+        /* The rendezvous channel may be broken and the lost rank will not vote in a
+         * destroy: leave without the collective goodbyes (the process's end frees all). */
+        fflush(stdout);
+        fflush(stderr);
+        _exit(failed ? 1 : 0);
+    }
+    /* Every rank is in (again): the buffer's destroy votes over its current group. */
+    epx__bench_must(soak->rank, epx_buffer_destroy(soak->buffer), "epx_buffer_destroy");
+    if (run->rejoin_group != NULL)
+        epx__bench_must(soak->rank, epx_group_destroy(run->rejoin_group), "epx_group_destroy");
+    return failed ? 1 : 0;
+}
+
 int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device)
 {
@@ -586,42 +893,26 @@ int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
                             "normal mode), a rank below the world size and 2 or more ranks\n");
         return 2;
     }
-    int victim = so->inject != EPX__SOAK_INJECT_NONE && info.rank == so->inject_rank;
-    if (victim && so->inject == EPX__SOAK_INJECT_KILL && info.backend != EPX_BACKEND_CUDA)
-        fork_victim(); /* from here on this is the child that will die */
-
+    if (so->rejoin_after_s > 0 &&
+        (so->inject != EPX__SOAK_INJECT_KILL || info.backend != EPX_BACKEND_HOST)) {
+        fprintf(stderr, "epx bench: --rejoin-after needs --inject kill and the CPU backend (on "
+                        "the GPU, NVSHMEM cannot take a process back into a running job: "
+                        "docs/STABILITY.md)\n");
+        return 2;
+    }
     soak_run_t run;
-    memset(&run, 0, sizeof(run));
-    run.options = options;
-    run.so = so;
+    schedule_t sc;
+    epx_buffer_config_t config;
+    int victim = so->inject != EPX__SOAK_INJECT_NONE && info.rank == so->inject_rank;
+    int report_fd = -1;
+    if (victim && so->inject == EPX__SOAK_INJECT_KILL && info.backend != EPX_BACKEND_CUDA)
+        report_fd = epx__soak_fork_victim(so); /* from here on the child that will die */
+    soak_init(&run, options, group, &info, device, &sc, &config);
+    run.report_fd = report_fd;
     epx__soak_t *soak = &run.soak;
-    soak->group = group;
-    soak->device = device;
-    soak->rank = info.rank;
-    soak->world = info.world_size;
-    soak->ranks_per_node = info.ranks_per_node;
-    soak->cuda = info.backend == EPX_BACKEND_CUDA;
-    soak->max_tokens = options->tokens;
-    soak->ll_tokens = so->run_ll ? so->ll_tokens : 0;
-    soak->hidden = options->hidden;
-    soak->experts = options->experts;
-    soak->topk = options->topk;
-    soak->ll_dtype = options->ll_dtype;
-
-    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-    config.max_tokens_per_rank = options->tokens;
-    config.hidden = options->hidden;
-    config.num_experts = options->experts;
-    config.num_topk = options->topk;
-    config.num_sms = options->sms;
-    config.max_low_latency_tokens = soak->ll_tokens;
-    config.low_latency_dtype = options->ll_dtype;
     epx__bench_must(info.rank, epx_buffer_create(group, &config, &soak->buffer),
                     "epx_buffer_create");
     soak_alloc(soak);
-    double window_s = so->window_s > 0 ? so->window_s : fmin(60.0, so->duration_s / 10.0);
-    if (window_s < 1)
-        window_s = 1;
     if (info.rank == 0 && !options->json)
         printf("epx bench --soak %.0f s: %s backend, %d ranks, %lld tokens/rank (normal max), "
                "%lld (low-latency M), hidden %lld, %d experts, top-%d, modes %s%s, windows of "
@@ -629,107 +920,44 @@ int epx__bench_soak_run(epx_group_t group, const epx__bench_options_t *options,
                so->duration_s, epx_backend_name(info.backend), info.world_size,
                (long long)options->tokens, (long long)soak->ll_tokens, (long long)options->hidden,
                options->experts, options->topk, so->run_normal ? "normal" : "",
-               so->run_ll ? (so->run_normal ? "+ll" : "ll") : "", window_s, so->check_every);
-    /* One untimed round of each mode first: what a process pays once (loading kernels,
-     * NVSHMEM's first touch of its memory) is not a latency of the soak. */
-    soak->synced = 1;
-    for (int mode = 0; mode < 2; mode++) {
-        if (!(mode == 0 ? so->run_normal : so->run_ll))
-            continue;
-        epx__soak_round_t warm;
-        memset(&warm, 0, sizeof(warm));
-        uint64_t seed = options->seed * 0x100000001b3ull - 1 - (uint64_t)mode;
-        if (mode == 0)
-            epx__soak_normal_round(soak, seed, 0, &warm);
-        else
-            epx__soak_ll_round(soak, seed, 0, &warm);
-        if (warm.failed || warm.peer_losses > 0) {
-            fprintf(stderr, "epx bench: soak: rank %d: the warm-up round failed\n", info.rank);
-            return 1;
-        }
-    }
+               so->run_ll ? (so->run_normal ? "+ll" : "ll") : "", sc.window_s, so->check_every);
+    if (!warm_up(&run, so->run_normal, so->run_ll))
+        return 1;
     epx__bench_must(info.rank, epx_group_barrier(group), "epx_group_barrier");
 
-    int64_t start_ns = epx__tool_now_ns();
-    double window_start = 0, next_window = window_s;
-    int64_t round = 0;
-    int stop = 0;
-    /* Synced phase: the control words go round every SYNC_ROUNDS rounds. */
-    control_t decision;
-    memset(&decision, 0, sizeof(decision));
-    while (!stop) {
-        for (int i = 0; i < SYNC_ROUNDS && !run.failed; i++)
-            run_round(&run, round++);
-        double elapsed = (double)(epx__tool_now_ns() - start_ns) / 1e9;
-        control_t mine;
-        memset(&mine, 0, sizeof(mine));
-        mine.failed = run.failed;
-        if (info.rank == 0) {
-            mine.elapsed_s = elapsed;
-            mine.stop = elapsed >= so->duration_s;
-            mine.window_end = elapsed >= next_window || mine.stop;
-            if (so->inject != EPX__SOAK_INJECT_NONE && elapsed >= so->inject_at_s) {
-                double rate = (double)round / fmax(elapsed, 1e-3);
-                mine.inject = 1;
-                mine.rounds_left = (int64_t)(rate * fmax(so->duration_s - elapsed, 0)) + 1;
-                mine.window_rounds = (int64_t)(rate * window_s) + 1;
-                mine.stop = 0;
-            }
-        }
-        control_t *all = must_alloc((size_t)info.world_size * sizeof(control_t));
-        epx__bench_allgather(group, &mine, all, sizeof(mine), "soak control");
-        decision = all[0];
-        int any_failed = 0;
-        for (int r = 0; r < info.world_size; r++)
-            any_failed |= all[r].failed;
-        free(all);
-        if (any_failed)
-            decision.stop = decision.window_end = 1, decision.inject = 0;
-        run.any_failed |= any_failed;
-        if (decision.window_end || decision.inject) {
-            gather_window(&run, 0, window_start, decision.elapsed_s);
-            window_start = decision.elapsed_s;
-            next_window = decision.elapsed_s + window_s;
-        }
-        stop = decision.stop || decision.inject;
-    }
+    sc.start_ns = epx__tool_now_ns();
+    synced_phase(&run, &sc);
+    if (sc.decision.inject)
+        injected_phase(&run, &sc, victim);
+    return finish(&run, &sc);
+}
 
-    /* Injected phase: no more exchanges (the rendezvous goes through rank 0, which may be
-     * the one lost); a fixed number of rounds, windows by round count. */
-    int printer = so->inject_rank == 0 ? 1 : 0;
-    if (decision.inject) {
-        soak->synced = 0;
-        if (victim)
-            act_as_victim(so, decision.elapsed_s, epx__tool_param_int("EPX_TIMEOUT_MS"),
-                          soak->cuda);
-        int64_t in_window = 0;
-        for (int64_t i = 0; i < decision.rounds_left && !run.failed; i++) {
-            run_round(&run, round++);
-            if (++in_window == decision.window_rounds || i + 1 == decision.rounds_left) {
-                double now = (double)(epx__tool_now_ns() - start_ns) / 1e9;
-                window_t w = close_window(&run);
-                note_window(&run, &w);
-                if (info.rank == printer)
-                    print_window(stdout, options->json, run.windows, window_start, now, &w, 1);
-                window_start = now;
-                in_window = 0;
-            }
-        }
-    }
-    double elapsed = (double)(epx__tool_now_ns() - start_ns) / 1e9;
-    if (info.rank == (decision.inject ? printer : 0))
-        print_summary(&run, info.world_size, elapsed);
-    int failed = run.failed || run.my_mismatches > 0;
-    soak_free(soak);
-    for (int op = 0; op < EPX__SOAK_OP_COUNT; op++)
-        free(run.series[op].values);
-    if (decision.inject) {
-        /* The rendezvous channel may be broken and the lost rank will not vote in a
-         * destroy: leave without the collective goodbyes (the process's end frees all). */
-        fflush(stdout);
-        fflush(stderr);
-        _exit(failed ? 1 : 0);
-    }
-    epx__bench_must(info.rank, epx_buffer_destroy(soak->buffer), "epx_buffer_destroy");
-    return failed ? 1 : 0;
+int epx__bench_soak_newcomer(const epx__bench_options_t *options, epx__bench_device_t *device)
+{
+    const epx__soak_options_t *so = &options->soak;
+    int rank = (int)epx__tool_param_int("EPX_RANK");
+    int world = (int)epx__tool_param_int("EPX_WORLD_SIZE");
+    /* The survivors come after --rejoin-after; wait for them a while longer. */
+    double wait_s = so->rejoin_after_s + 2.0 * (double)epx__tool_param_int("EPX_TIMEOUT_MS") / 1e3 + 30;
+    epx_group_t group = NULL;
+    epx__bench_must(rank, epx__soak_rejoin_group(so->rejoin_id, rank, world, wait_s, &group),
+                    "the rejoin's group");
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx__bench_must(rank, epx_group_get_info(group, &info), "epx_group_get_info");
+    soak_run_t run;
+    schedule_t sc;
+    epx_buffer_config_t config;
+    soak_init(&run, options, group, &info, device, &sc, &config);
+    run.rejoin_group = group;
+    sc.printer = so->inject_rank == 0 ? 1 : 0;
+    epx__bench_must(rank, epx_buffer_create_rejoin(group, &config, &run.soak.buffer),
+                    "epx_buffer_create_rejoin");
+    soak_alloc(&run.soak);
+    resume(&run, &sc, 1);
+    fprintf(stderr, "epx bench: soak: rank %d: rejoined at round %lld\n", rank,
+            (long long)sc.round);
+    if (!warm_up(&run, 0, 1))
+        run.failed = 1;
+    synced_phase(&run, &sc);
+    return finish(&run, &sc);
 }

@@ -5,7 +5,8 @@
  * memory in use and the failures are reported, then a summary.
  *
  * Files: bench_soak.c (options, schedule, windows, memory, fault injection, report),
- * bench_soak_normal.c and bench_soak_ll.c (one round of each mode).
+ * bench_soak_normal.c and bench_soak_ll.c (one round of each mode), bench_soak_rejoin.c
+ * (starting the replacement of a killed rank, and its group).
  */
 #ifndef EPX_TOOLS_BENCH_SOAK_H
 #define EPX_TOOLS_BENCH_SOAK_H
@@ -21,6 +22,9 @@ typedef enum {
     EPX__SOAK_INJECT_STOP = 2, /* the rank stops answering (alive, silent) to the end */
 } epx__soak_inject_t;
 
+/* Room for a unique id as text (epx_unique_id_to_string). */
+#define EPX__SOAK_ID_BYTES (2 * EPX_UNIQUE_ID_BYTES + 64)
+
 typedef struct {
     double duration_s;   /* 0 = no soak */
     double window_s;     /* 0 = 60 s, or a tenth of a shorter soak */
@@ -31,9 +35,15 @@ typedef struct {
     epx__soak_inject_t inject;
     int inject_rank;
     double inject_at_s;  /* seconds after the soak started */
+    /* --rejoin-after: with --inject kill, a replacement rejoins this long after the kill
+     * (0 = none; CPU backend). */
+    double rejoin_after_s;
+    /* --soak-rejoin ID (set by the soak itself): this process is that replacement, and
+     * ID the unique id of the rejoin's group. */
+    char rejoin_id[EPX__SOAK_ID_BYTES];
 } epx__soak_options_t;
 
-#define EPX__SOAK_OPTIONS_INIT {0, 0, 4, 1, 1, 128, EPX__SOAK_INJECT_NONE, -1, 0}
+#define EPX__SOAK_OPTIONS_INIT {0, 0, 4, 1, 1, 128, EPX__SOAK_INJECT_NONE, -1, 0, 0, ""}
 
 /*
  * Match a soak flag at argv[*index] (advancing *index past its value): 1 when matched,
@@ -90,6 +100,20 @@ typedef struct {
     /* Backend memory sized for the largest round, reused by every round. */
     void *x, *x_scales, *topk_idx, *topk_weights, *combine_x, *out_x;
 } epx__soak_t;
+
+/*
+ * The rejoin's process plumbing (bench_soak_rejoin.c). epx__soak_fork_victim: in the
+ * victim's launched process, fork the victim; the parent never returns (it waits, starts
+ * the replacement if the victim reported a group id, and exits with its status); the
+ * child returns the pipe to report on (-1 without --rejoin-after).
+ * epx__soak_report_rejoin: the victim, just before it dies, reports the group id.
+ * epx__soak_rejoin_group: the rejoin's group from that id, trying again on a timeout
+ * until `wait_s` seconds have passed (0 = once).
+ */
+int epx__soak_fork_victim(const epx__soak_options_t *so);
+void epx__soak_report_rejoin(int fd, const char *id);
+epx_status_t epx__soak_rejoin_group(const char *id, int rank, int world, double wait_s,
+                                    epx_group_t *group);
 
 /* One normal-mode round (bench_soak_normal.c); `seed` fixes its shape on every rank. */
 void epx__soak_normal_round(epx__soak_t *soak, uint64_t seed, int check, epx__soak_round_t *out);

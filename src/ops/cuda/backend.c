@@ -388,6 +388,21 @@ static void cuda_poll_async_error(epx_buffer_t buffer)
     }
 }
 
+/*
+ * No rejoin on this backend: low-latency memory is NVSHMEM's symmetric heap, set up by
+ * every PE of the job together, and NVSHMEM cannot add a PE to a running job (nor give a
+ * new process the place of one that left). docs/STABILITY.md has the workaround.
+ */
+static epx_status_t cuda_ll_rejoin_check(epx_group_t group)
+{
+    (void)group;
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                     "rejoin: the cuda backend cannot take a rank back into a running "
+                     "low-latency buffer: its memory is NVSHMEM's symmetric heap, and NVSHMEM "
+                     "cannot add a PE to a running job; keep serving with the rank masked and "
+                     "rebuild the buffers and the group at a quiet moment (docs/STABILITY.md)");
+}
+
 const epx__backend_ops_t epx__cuda_backend = {
     .name = "cuda",
     .device_count = epx__cuda_device_count,
@@ -412,4 +427,5 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_get_masked = epx__cuda_ll_get_masked,
     .ll_row_align = EPX__VECTOR_BYTES,
     .fanout_copy = epx__cuda_fanout_copy,
+    .ll_rejoin_check = cuda_ll_rejoin_check,
 };

@@ -229,4 +229,5 @@ const epx__backend_ops_t epx__host_backend = {
     .ll_mask_rank = epx__host_ll_mask_rank,
     .ll_get_masked = epx__host_ll_get_masked,
     .fanout_copy = epx__host_fanout_copy,
+    .ll_rejoin = epx__host_ll_rejoin,
 };

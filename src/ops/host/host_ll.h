@@ -80,6 +80,17 @@ epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *conf
 /* Collective (when max_low_latency_tokens > 0); NULL-safe destroy. */
 epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **ll);
 void epx__host_ll_destroy(epx__host_ll_t *ll);
+/* Local: the state and scratch of epx__host_ll_create, without the shared memory. */
+epx_status_t epx__host_ll_alloc(epx_buffer_t buffer, epx__host_ll_t **ll);
+
+/*
+ * Rejoin (host_ll_rejoin.c, the backend's ll_rejoin; docs/STABILITY.md): collective over
+ * `ranks`, a new rendezvous of every rank. A survivor's `buffer` is its running buffer; a
+ * newcomer's (joiners[rank] = 1) is new, with impl NULL, and gets a host buffer with
+ * low-latency memory only.
+ */
+epx_status_t epx__host_ll_rejoin(epx_buffer_t buffer, const epx__transport_ranks_t *ranks,
+                                 const unsigned char *joiners);
 
 static inline char *epx__host_ll_slot(const epx__host_ll_t *ll, int rank, int slot)
 {

@@ -87,7 +87,7 @@ void epx__host_ll_destroy(epx__host_ll_t *ll)
     free(ll);
 }
 
-epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
+epx_status_t epx__host_ll_alloc(epx_buffer_t buffer, epx__host_ll_t **out)
 {
     epx_group_t group = buffer->group;
     const epx_buffer_config_t *config = &buffer->config;
@@ -117,7 +117,15 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY,
                          "buffer: no host memory for rank %d's low-latency scratch", group->rank);
     }
-    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    *out = ll;
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
+{
+    epx__host_ll_t *ll = NULL;
+    EPX_CHECK(epx__host_ll_alloc(buffer, &ll));
+    epx__transport_ranks_t ranks = epx__group_ranks(buffer->group);
     epx_status_t status = epx__shm_create(&ranks, ll->layout.total, &ll->shm);
     if (status != EPX_SUCCESS) {
         ll->shm = NULL;

@@ -21,16 +21,6 @@
 
 #include "transport/shm/shm_private.h"
 
-/* What each rank tells the others in the setup allgathers. */
-typedef struct {
-    char name[EPX__SHM_NAME_BYTES]; /* the abstract socket that hands out the segment */
-    uint64_t data_bytes;
-    int64_t pid;
-    int32_t status; /* epx_status_t of this rank's step */
-    int32_t pad;
-    char message[EPX__SHM_MESSAGE_BYTES];
-} epx__shm_record_t;
-
 static size_t epx__round_up(size_t value, size_t to)
 {
     return (value + to - 1) / to * to;
@@ -47,9 +37,7 @@ uint64_t epx__shm_random(void)
     return value;
 }
 
-/* Record a failure of this rank's own step in `record` (and as the thread's error). */
-static void epx__shm_record_fail(epx__shm_record_t *record, epx_status_t status,
-                                 const char *message)
+void epx__shm_record_fail(epx__shm_record_t *record, epx_status_t status, const char *message)
 {
     if (record->status != EPX_SUCCESS)
         return;
@@ -58,10 +46,10 @@ static void epx__shm_record_fail(epx__shm_record_t *record, epx_status_t status,
 }
 
 /*
- * Make, size and map this rank's segment; its descriptor stays open in *fd_out for the
- * exchange. On failure nothing is left.
+ * Make, size and map this rank's segment; its descriptor stays open in shm->own_fd, for
+ * the exchange and for a rank that rejoins later. On failure nothing is left.
  */
-static epx_status_t epx__shm_create_own(struct epx__shm *shm, int *fd_out)
+epx_status_t epx__shm_create_own(struct epx__shm *shm)
 {
     int fd = epx__shm_anonymous_file();
     if (fd < 0) {
@@ -104,12 +92,11 @@ static epx_status_t epx__shm_create_own(struct epx__shm *shm, int *fd_out)
     atomic_store_explicit(&header->arrivals, 0, memory_order_relaxed);
     atomic_store_explicit(&header->abort_state, EPX__ABORT_NONE, memory_order_release);
     shm->headers[shm->rank] = header;
-    *fd_out = fd;
+    shm->own_fd = fd;
     return EPX_SUCCESS;
 }
 
-/* Map the segment `fd` that rank `peer` sent, after checking it is the one announced. */
-static epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, int fd)
+epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, int fd)
 {
     struct stat st;
     if (fstat(fd, &st) != 0 || (size_t)st.st_size != shm->segment_bytes)
@@ -135,8 +122,7 @@ static epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, int fd)
     return EPX_SUCCESS;
 }
 
-/* The rank whose failure this rank reports: its own if it failed, else the lowest, or -1. */
-static int epx__shm_first_failure(const epx__shm_record_t *records, int world_size, int rank)
+int epx__shm_first_failure(const epx__shm_record_t *records, int world_size, int rank)
 {
     if (records[rank].status != EPX_SUCCESS)
         return rank;
@@ -146,9 +132,8 @@ static int epx__shm_first_failure(const epx__shm_record_t *records, int world_si
     return -1;
 }
 
-/* Turn a peer's failed setup step into this rank's error (its own is already recorded). */
-static epx_status_t epx__shm_setup_error(const struct epx__shm *shm,
-                                         const epx__shm_record_t *records, int failed)
+epx_status_t epx__shm_setup_error(const struct epx__shm *shm, const epx__shm_record_t *records,
+                                  int failed)
 {
     if (failed == shm->rank) /* recorded (and logged) where it happened */
         return (epx_status_t)records[failed].status;
@@ -165,6 +150,8 @@ void epx__shm_destroy(epx__shm_t *shm)
             if (shm->headers[r] != NULL)
                 munmap(shm->headers[r], shm->segment_bytes);
     }
+    if (shm->own_fd >= 0)
+        close(shm->own_fd);
     free(shm->headers);
     free(shm->pids);
     free(shm->pid_visible);
@@ -176,7 +163,7 @@ void epx__shm_destroy(epx__shm_t *shm)
  * to it. Probed between the two setup allgathers: no peer can leave setup before this
  * rank has joined the second one, so a peer that looks gone here was never visible.
  */
-static void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *records)
+void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *records)
 {
     for (int r = 0; r < shm->world_size; r++) {
         shm->pids[r] = records[r].pid;
@@ -189,6 +176,29 @@ static void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *r
     }
 }
 
+struct epx__shm *epx__shm_alloc(const epx__transport_ranks_t *ranks, size_t bytes_per_rank)
+{
+    int world = ranks->world_size;
+    struct epx__shm *shm = calloc(1, sizeof(*shm));
+    if (shm == NULL)
+        return NULL;
+    shm->own_fd = -1;
+    shm->headers = calloc((size_t)world, sizeof(*shm->headers));
+    shm->pids = calloc((size_t)world, sizeof(*shm->pids));
+    shm->pid_visible = calloc((size_t)world, 1);
+    if (shm->headers == NULL || shm->pids == NULL || shm->pid_visible == NULL) {
+        epx__shm_destroy(shm);
+        return NULL;
+    }
+    shm->rank = ranks->rank;
+    shm->world_size = world;
+    shm->timeout_ms = ranks->timeout_ms;
+    shm->data_bytes = bytes_per_rank;
+    shm->segment_bytes = epx__shm_segment_bytes(bytes_per_rank);
+    shm->learned_rank = -1;
+    return shm;
+}
+
 epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_per_rank,
                              epx__shm_t **out)
 {
@@ -196,14 +206,8 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
     epx__shm_record_t *records = calloc((size_t)world, sizeof(*records));
     const char **names = calloc((size_t)world, sizeof(*names));
     int *fds = calloc((size_t)world, sizeof(*fds));
-    struct epx__shm *shm = calloc(1, sizeof(*shm));
-    if (shm != NULL) {
-        shm->headers = calloc((size_t)world, sizeof(*shm->headers));
-        shm->pids = calloc((size_t)world, sizeof(*shm->pids));
-        shm->pid_visible = calloc((size_t)world, 1);
-    }
-    if (records == NULL || names == NULL || fds == NULL || shm == NULL || shm->headers == NULL ||
-        shm->pids == NULL || shm->pid_visible == NULL) {
+    struct epx__shm *shm = epx__shm_alloc(group, bytes_per_rank);
+    if (records == NULL || names == NULL || fds == NULL || shm == NULL) {
         free(records);
         free(names);
         free(fds);
@@ -211,12 +215,6 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "shm: no host memory for %d ranks' bookkeeping",
                          world);
     }
-    shm->rank = group->rank;
-    shm->world_size = world;
-    shm->timeout_ms = group->timeout_ms;
-    shm->data_bytes = bytes_per_rank;
-    shm->segment_bytes = epx__shm_segment_bytes(bytes_per_rank);
-    shm->learned_rank = -1;
     for (int r = 0; r < world; r++)
         fds[r] = -1;
 
@@ -224,8 +222,8 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
     memset(&mine, 0, sizeof(mine));
     mine.data_bytes = bytes_per_rank;
     mine.pid = (int64_t)getpid();
-    int own_fd = -1, listen_fd = -1;
-    epx_status_t status = epx__shm_create_own(shm, &own_fd);
+    int listen_fd = -1;
+    epx_status_t status = epx__shm_create_own(shm);
     if (status == EPX_SUCCESS)
         status = epx__shm_listen(shm, mine.name, sizeof(mine.name), &listen_fd);
     if (status != EPX_SUCCESS)
@@ -257,7 +255,7 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
     /* The descriptors, then every rank maps every peer. */
     epx__shm_record_t mapped;
     memset(&mapped, 0, sizeof(mapped));
-    status = epx__shm_exchange_fds(shm, listen_fd, own_fd, names, fds);
+    status = epx__shm_exchange_fds(shm, listen_fd, shm->own_fd, names, NULL, fds);
     if (status != EPX_SUCCESS)
         epx__shm_record_fail(&mapped, status, epx_last_error());
     close(listen_fd);
@@ -284,7 +282,6 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
 
     EPX_DEBUG(EPX_SUBSYS_TRANSPORT, "shm: rank %d mapped %d segments of %zu bytes", shm->rank,
               world, shm->segment_bytes);
-    close(own_fd);
     free(records);
     free(names);
     free(fds);
@@ -294,8 +291,6 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
 fail:
     if (listen_fd >= 0)
         close(listen_fd);
-    if (own_fd >= 0)
-        close(own_fd);
     free(records);
     free(names);
     free(fds);

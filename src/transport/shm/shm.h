@@ -82,6 +82,33 @@ void epx__shm_flag_store(uint64_t *flag, uint64_t value);
 epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
                                  uint64_t target, uint8_t *failed);
 
+/*
+ * Rejoin (shm_rejoin.c): collective over `ranks`, a new rendezvous of every rank of the
+ * group, in which the ranks with joiners[r] = 1 are new processes that replace lost ones
+ * (at least one joiner, at least one survivor). A joiner passes shm == NULL: it makes its
+ * segment (data area zeroed, then `init(data, context)` runs on it before any peer can
+ * see it; init may be NULL) and maps every rank's. A survivor passes its running `shm`
+ * (same data size): it hands its segment to the joiners and maps theirs. Survivors do not
+ * exchange with each other. On success *staged holds what is new: on a joiner its whole
+ * shm, on a survivor the joiners' segments only, for epx__shm_adopt. On failure every
+ * rank returns an error, nothing new stays mapped and `shm` is as it was. Every wait ends
+ * within the ranks' timeout.
+ */
+epx_status_t epx__shm_rejoin(const epx__transport_ranks_t *ranks, const unsigned char *joiners,
+                             size_t bytes_per_rank, epx__shm_t *shm,
+                             void (*init)(void *data, void *context), void *context,
+                             epx__shm_t **staged);
+
+/* Survivor: put the joiners' segments of `staged` in place of the old ones (unmapped) and
+ * free `staged`. Cannot fail. */
+void epx__shm_adopt(epx__shm_t *shm, epx__shm_t *staged);
+
+/*
+ * 1 when `rank`'s process is still running as far as this process can tell (its pid is
+ * visible here and has not exited), with its pid in *pid; 0 otherwise.
+ */
+int epx__shm_peer_running(const epx__shm_t *shm, int rank, int64_t *pid);
+
 /* Unmap everything (the memory goes with the last mapping). NULL is a no-op. */
 void epx__shm_destroy(epx__shm_t *shm);
 

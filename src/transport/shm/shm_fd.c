@@ -163,12 +163,12 @@ static epx_status_t epx__shm_exited(const struct epx__shm *shm, int r)
 
 /* Connect to every peer's socket; a failure is recorded, the others still connect. */
 static epx_status_t epx__shm_connect_all(struct epx__shm *shm, const char *const *names,
-                                         int *connections)
+                                         const unsigned char *peers, int *connections)
 {
     epx_status_t status = EPX_SUCCESS;
     for (int r = 0; r < shm->world_size; r++) {
         connections[r] = -1;
-        if (r == shm->rank)
+        if (r == shm->rank || !peers[r])
             continue;
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
         struct sockaddr_un address;
@@ -194,24 +194,30 @@ static epx_status_t epx__shm_connect_all(struct epx__shm *shm, const char *const
 }
 
 epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_fd,
-                                   const char *const *names, int *fds)
+                                   const char *const *names, const unsigned char *peers_given,
+                                   int *fds)
 {
     int world = shm->world_size, me = shm->rank;
     int *connections = malloc((size_t)world * sizeof(int));
     unsigned char *served = calloc((size_t)world, 1);
+    unsigned char *peers = malloc((size_t)world);
     struct pollfd *polls = malloc((size_t)(world + 1) * sizeof(struct pollfd));
     int *poll_rank = malloc((size_t)(world + 1) * sizeof(int));
-    if (connections == NULL || served == NULL || polls == NULL || poll_rank == NULL) {
+    if (connections == NULL || served == NULL || peers == NULL || polls == NULL ||
+        poll_rank == NULL) {
         free(connections);
         free(served);
+        free(peers);
         free(polls);
         free(poll_rank);
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "shm: out of memory for the descriptor exchange");
     }
-    for (int r = 0; r < world; r++)
+    for (int r = 0; r < world; r++) {
         fds[r] = -1;
-    served[me] = 1;
-    epx_status_t status = epx__shm_connect_all(shm, names, connections);
+        peers[r] = r != me && (peers_given == NULL || peers_given[r]);
+        served[r] = !peers[r]; /* a rank that is not a peer neither sends nor asks */
+    }
+    epx_status_t status = epx__shm_connect_all(shm, names, peers, connections);
     int64_t start = epx__now_ns();
     /* On a failure this rank stops at once: closing its sockets tells the peers (their
      * connections hang up or are refused), and the second allgather says why. */
@@ -224,7 +230,7 @@ epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_
             poll_rank[count++] = -1;
         }
         for (int r = 0; r < world; r++)
-            if (r != me && fds[r] < 0) {
+            if (peers[r] && fds[r] < 0) {
                 polls[count] = (struct pollfd){connections[r], POLLIN, 0};
                 poll_rank[count++] = r;
             }
@@ -269,7 +275,7 @@ epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_
         /* A peer that is gone will neither send nor need anything any more. */
         int64_t waited = epx__now_ns() - start;
         for (int r = 0; r < world && status == EPX_SUCCESS; r++) {
-            if (r == me || (fds[r] >= 0 && served[r]))
+            if (!peers[r] || (fds[r] >= 0 && served[r]))
                 continue;
             if (shm->pid_visible[r] && epx__shm_pid_exited(shm->pids[r]))
                 status = epx__shm_exited(shm, r);
@@ -290,6 +296,7 @@ epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_
     }
     free(connections);
     free(served);
+    free(peers);
     free(polls);
     free(poll_rank);
     return status;

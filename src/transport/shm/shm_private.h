@@ -57,7 +57,11 @@ struct epx__shm {
     int64_t timeout_ms;
     size_t data_bytes;
     size_t segment_bytes;
-    epx__shm_header_t **headers; /* [world_size] mapped segments, own included */
+    /* This rank's segment descriptor, kept open so that a rank that rejoins can be given
+     * it (shm_rejoin.c); -1 in a survivor's staging of a rejoin. */
+    int own_fd;
+    epx__shm_header_t **headers; /* [world_size] mapped segments, own included; NULL = not
+                                  * mapped (the other survivors in a rejoin's staging) */
     int64_t *pids;               /* [world_size] */
     /* [world_size] 1 when the peer's pid is visible here (same pid namespace), so that
      * its death can be detected; 0 leaves that peer to the timeout. */
@@ -74,6 +78,36 @@ struct epx__shm {
     char learned_message[EPX__SHM_MESSAGE_BYTES];
 };
 
+/* What each rank tells the others in the setup allgathers (shm.c, shm_rejoin.c). */
+typedef struct {
+    char name[EPX__SHM_NAME_BYTES]; /* the abstract socket that hands out the segment */
+    uint64_t data_bytes;
+    int64_t pid;
+    int32_t status; /* epx_status_t of this rank's step */
+    int32_t pad;
+    char message[EPX__SHM_MESSAGE_BYTES];
+} epx__shm_record_t;
+
+/*
+ * Set-up steps shared by epx__shm_create and epx__shm_rejoin (shm.c):
+ * epx__shm_alloc: the bookkeeping of a group's segments, nothing mapped (NULL on out of
+ * memory). epx__shm_create_own: make, size and map this rank's segment (its descriptor in
+ * shm->own_fd). epx__shm_map_peer: map the segment `fd` that rank `peer` sent, after
+ * checking its header names that rank and shm->pids[peer]. epx__shm_record_fail: note
+ * this rank's failed step in its record (the first one wins). epx__shm_first_failure: the
+ * rank whose failure this rank reports (its own first, else the lowest), -1 if none;
+ * epx__shm_setup_error: that failure as this rank's error. epx__shm_probe_pids: take every
+ * rank's pid from the records and note which ones this process can see.
+ */
+struct epx__shm *epx__shm_alloc(const epx__transport_ranks_t *ranks, size_t bytes_per_rank);
+epx_status_t epx__shm_create_own(struct epx__shm *shm);
+epx_status_t epx__shm_map_peer(struct epx__shm *shm, int peer, int fd);
+void epx__shm_record_fail(epx__shm_record_t *record, epx_status_t status, const char *message);
+int epx__shm_first_failure(const epx__shm_record_t *records, int world_size, int rank);
+epx_status_t epx__shm_setup_error(const struct epx__shm *shm, const epx__shm_record_t *records,
+                                  int failed);
+void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *records);
+
 /* 1 if the process has exited (gone, or a zombie not yet reaped); 0 if alive. */
 int epx__shm_pid_exited(int64_t pid);
 
@@ -86,11 +120,14 @@ uint64_t epx__shm_random(void);
  * Unix socket in the abstract namespace, its name (without the leading NUL) in `name`.
  * epx__shm_exchange_fds: with every rank's socket name known (names[r]) and shm->pids
  * set, give `own_fd` to every peer and receive theirs into fds[r] (fds[rank] = -1).
+ * `peers` (NULL = every rank) limits the exchange to the ranks r with peers[r] = 1, in
+ * both directions; it must be symmetric (r is this rank's peer iff this rank is r's).
  * On failure every received descriptor is closed again.
  */
 int epx__shm_anonymous_file(void);
 epx_status_t epx__shm_listen(struct epx__shm *shm, char *name, size_t name_size, int *listen_fd);
 epx_status_t epx__shm_exchange_fds(struct epx__shm *shm, int listen_fd, int own_fd,
-                                   const char *const *names, int *fds);
+                                   const char *const *names, const unsigned char *peers,
+                                   int *fds);
 
 #endif /* EPX_TRANSPORT_SHM_PRIVATE_H */

@@ -117,5 +117,6 @@ void test_graph_bf16(void);
 void test_overlap(void);
 void test_masked(void);
 void test_standard(void);
+void test_rejoin_unsupported(void);
 
 #endif /* EPX_TESTS_GPU_CUDA_LL_H */

@@ -17,7 +17,9 @@
  *                 A (zero-copy) and B (separate tensor), blocking, then send-only;
  *   masked rank   (4+ ranks) every rank masks one rank that sits the step out; its rows
  *                 are absent and its experts come back as zeros;
- *   standard case 128 tokens, hidden 7168, 256 experts, top-8, fp8, checked once.
+ *   standard case 128 tokens, hidden 7168, 256 experts, top-8, fp8, checked once;
+ *   rejoin        epx_ll_rejoin / epx_buffer_create_rejoin return EPX_ERR_UNSUPPORTED
+ *                 (NVSHMEM) and leave the buffer as it was.
  * Checks are exact: recv_count, recv_src_info, recv_layout_range, the fp8 bytes and
  * scales (or bf16 rows) and the combined output bits; the first mismatch of each kind is
  * printed with its indices and values. A kernel that gives up on a peer reports through
@@ -81,6 +83,7 @@ int main(int argc, char **argv)
         {"overlap: two steps in flight, send/receive split", test_overlap, 1, ""},
         {"masked rank", test_masked, g_world >= 4, "needs 4 or more ranks"},
         {standard_name, test_standard, 256 % g_world == 0, "256 experts need R | 256"},
+        {"rejoin: EPX_ERR_UNSUPPORTED on the GPU", test_rejoin_unsupported, 1, ""},
     };
     if (g_rank == 0)
         printf("cuda_ll: %d ranks on device %d, %d SMs per rank, EPX_TIMEOUT_MS=%s\n", g_world,

@@ -326,3 +326,41 @@ done:
     io_free(&io);
     destroy_buffer(buffer, what);
 }
+
+/*
+ * Rejoin is the CPU backend's alone: on the CUDA backend epx_ll_rejoin and
+ * epx_buffer_create_rejoin return EPX_ERR_UNSUPPORTED naming NVSHMEM, and change nothing
+ * (docs/STABILITY.md). The new group is each rank's own group of one, so no rendezvous is
+ * needed; the refusal comes before the agreement.
+ */
+void test_rejoin_unsupported(void)
+{
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
+    epx_group_t solo = NULL;
+    epx_buffer_t buffer = make_buffer(&small_shape), other = NULL;
+    EPX_TRY(epx_group_get_info(g_group, &info), done);
+    config.backend = EPX_BACKEND_CUDA;
+    config.device = info.device;
+    EPX_TRY(epx_group_create(&config, &solo), done);
+    epx_status_t status = epx_ll_rejoin(buffer, solo);
+    if (status != EPX_ERR_UNSUPPORTED || strstr(epx_last_error(), "NVSHMEM") == NULL)
+        fail("epx_ll_rejoin", "returned %s (%s), expected EPX_ERR_UNSUPPORTED naming NVSHMEM",
+             epx_status_name(status), epx_last_error());
+    epx_buffer_config_t buffer_config = EPX_BUFFER_CONFIG_INIT;
+    buffer_config.max_tokens_per_rank = small_shape.max_tokens;
+    buffer_config.hidden = small_shape.hidden;
+    buffer_config.num_experts = small_shape.experts_per_rank;
+    buffer_config.num_topk = small_shape.topk;
+    buffer_config.max_low_latency_tokens = small_shape.max_tokens;
+    status = epx_buffer_create_rejoin(solo, &buffer_config, &other);
+    if (status != EPX_ERR_UNSUPPORTED || other != NULL)
+        fail("epx_buffer_create_rejoin", "returned %s (%s), expected EPX_ERR_UNSUPPORTED",
+             epx_status_name(status), epx_last_error());
+    check_buffer_state("rejoin refused: the buffer as before", buffer, NULL);
+done:
+    if (solo != NULL)
+        epx_group_destroy(solo);
+    any_failure();
+    destroy_buffer(buffer, "rejoin unsupported");
+}
