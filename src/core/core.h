@@ -114,7 +114,7 @@ void epx__log_set_rank(int rank);
       "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings")  \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
       "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
-    X(LL_KERNELS, INT, 1, 1, 2,                                                             \
+    X(LL_KERNELS, INT, 2, 1, 2,                                                             \
       "Low-latency CUDA kernels: 1 = receive packs the rows, 2 = rows placed once by the " \
       "sender (docs/LOW_LATENCY.md)")                                                        \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
