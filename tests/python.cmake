@@ -28,6 +28,14 @@ add_test(NAME python.unit
 set_tests_properties(python.unit PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 LABELS python
                      ENVIRONMENT "${EPX_PY_ENV}")
 
+# Rejoin in low-latency mode (CPU backend): one pytest process that starts, kills and
+# replaces its own worker processes.
+add_test(NAME python.rejoin
+         COMMAND ${EPX_PY_RUN} -- -q ${EPX_PY_TESTS}/test_rejoin.py
+         WORKING_DIRECTORY ${EPX_PY_ROOT})
+set_tests_properties(python.rejoin PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
+                     LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
+
 foreach(ranks 1 2 4)
   add_test(NAME python.multirank.n${ranks}
            COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks} -- -q

@@ -351,6 +351,9 @@ _PROTOTYPES = {
     "epx_ll_mask_rank": (c_int, [epx_buffer_p, c_int]),
     "epx_ll_get_masked": (c_int, [epx_buffer_p, POINTER(c_int32), c_int]),
     "epx_ll_clean_buffer": (c_int, [epx_buffer_p, c_void_p]),
+    "epx_ll_rejoin": (c_int, [epx_buffer_p, epx_group_p]),
+    "epx_buffer_create_rejoin": (c_int, [epx_group_p, POINTER(BufferConfig),
+                                         POINTER(epx_buffer_p)]),
 }
 
 

@@ -34,6 +34,19 @@ _DEVICE_TYPES_OF = {"host": (_dlpack.CPU, _dlpack.CUDA_HOST),
                     "cuda": (_dlpack.CUDA, _dlpack.CUDA_MANAGED)}
 
 
+def _resolve_group(what, group, backend):
+    """An epx.Group from what a Buffer call takes: an epx.Group, a torch.distributed
+    ProcessGroup (a new epx.Group over its allgather) or None (Group.from_env)."""
+    if group is None:
+        return Group.from_env(backend)
+    if isinstance(group, Group):
+        return group
+    if not (hasattr(group, "rank") and hasattr(group, "size")):
+        raise invalid_argument("%s: group must be an epx.Group, a torch.distributed "
+                               "ProcessGroup or None, not %s" % (what, type(group).__name__))
+    return Group.from_process_group(group, backend=backend)
+
+
 class Config:
     """Placeholder for deep_ep.Config: accepted by dispatch/combine and ignored (epx sizes
     its kernels from the buffer's num_sms)."""
@@ -162,6 +175,9 @@ class Buffer(LowLatencyMixin):
         num_sms: SMs per rank for the GPU kernels (default Buffer.num_sms; 0 = EPX_NUM_SMS).
         backend: "auto", "host" or "cuda", when the group is made here.
         copy_outputs: default for the `copy` argument of dispatch (see there).
+
+    A process that replaces a lost rank makes its buffer with Buffer.create_rejoin
+    (same arguments), while the survivors call rejoin() (docs/STABILITY.md "Rejoin").
     """
 
     num_sms = 0
@@ -171,7 +187,8 @@ class Buffer(LowLatencyMixin):
                  allow_mnnvl=False, explicitly_destroy=False, *, max_tokens_per_rank=None,
                  hidden=None, num_experts=None, num_topk=None, dispatch_dtype="bf16",
                  num_sms=None, backend="auto", copy_outputs=False,
-                 num_max_dispatch_tokens_per_rank=None, low_latency_dtype="bf16"):
+                 num_max_dispatch_tokens_per_rank=None, low_latency_dtype="bf16",
+                 _rejoin=False):
         self._ptr = None
         self._handles = weakref.WeakSet()
         if low_latency_mode:
@@ -196,15 +213,11 @@ class Buffer(LowLatencyMixin):
                                    % (dispatch_dtype,))
         ll_dtype = _token_dtype("low_latency_dtype", low_latency_dtype)
 
+        if _rejoin and not low_latency_mode:
+            raise invalid_argument("Buffer.create_rejoin: a rejoin joins a running "
+                                   "low-latency buffer: low_latency_mode must be True")
         self._owns_group = not isinstance(group, Group)
-        if group is None:
-            group = Group.from_env(backend)
-        elif not isinstance(group, Group):
-            if not (hasattr(group, "rank") and hasattr(group, "size")):
-                raise invalid_argument("Buffer: group must be an epx.Group, a "
-                                       "torch.distributed ProcessGroup or None, not %s"
-                                       % type(group).__name__)
-            group = Group.from_process_group(group, backend=backend)
+        group = _resolve_group("Buffer", group, backend)
         self.group = group
         self.rank = group.rank
         self.group_size = group.world_size
@@ -233,12 +246,44 @@ class Buffer(LowLatencyMixin):
         self.num_local_experts = config.num_experts // max(self.group_size, 1)
 
         pointer = _capi.epx_buffer_p()
-        check(_capi.api().epx_buffer_create(group.pointer, ctypes.byref(config),
-                                            ctypes.byref(pointer)), "buffer_create")
+        if _rejoin:
+            status = _capi.api().epx_buffer_create_rejoin(group.pointer, ctypes.byref(config),
+                                                          ctypes.byref(pointer))
+        else:
+            status = _capi.api().epx_buffer_create(group.pointer, ctypes.byref(config),
+                                                   ctypes.byref(pointer))
+        try:
+            check(status, "buffer_create_rejoin" if _rejoin else "buffer_create")
+        except EpxError:
+            if self._owns_group:
+                group.destroy()
+            raise
         self._ptr = pointer
         group._buffers.add(self)
         self._view_device = ((_dlpack.CUDA, self.device) if self.backend == "cuda"
                              else (_dlpack.CPU, 0))
+
+    @classmethod
+    def create_rejoin(cls, group, **kwargs):
+        """A newcomer's buffer: join the survivors' running low-latency buffer in place of
+        a lost rank (epx_buffer_create_rejoin; docs/STABILITY.md "Rejoin").
+
+        Collective with the survivors' Buffer.rejoin(group). `group` is the new group
+        that every rank, survivors and newcomers, formed from a fresh rendezvous with the
+        same world size, this process holding the lost rank's number (an epx.Group, or
+        what the constructor takes). kwargs are the constructor's keyword arguments and
+        must give the survivors' config: the same max_tokens_per_rank, hidden,
+        num_experts, num_topk, dispatch_dtype, num_max_dispatch_tokens_per_rank,
+        low_latency_dtype (low_latency_mode defaults to True and must be). The buffer
+        serves low-latency mode only (normal-mode calls raise ERR_INVALID_STATE).
+
+        Raises EpxError as the C call: ERR_INVALID_STATE when no survivor has a running
+        buffer to join or when a survivor has not masked this rank, ERR_INVALID_ARG for
+        configs that differ, ERR_UNSUPPORTED on the CUDA backend, ERR_REMOTE naming the
+        rank that refused; nothing is made on failure.
+        """
+        kwargs.setdefault("low_latency_mode", True)
+        return cls(group, _rejoin=True, **kwargs)
 
     # ------------------------------------------------------------ lifetime
 

@@ -9,7 +9,8 @@ send/receive split (docs/LOW_LATENCY.md).
 import ctypes
 
 from . import _capi, _frameworks, _tensor, errors
-from .errors import check, invalid_argument
+from .errors import EpxError, check, invalid_argument
+from .group import Group
 
 _NOT_IMPLEMENTED_STATS = ("%s: %s is not supported by epx (the counts are in recv_count; "
                           "wait times are not measured)")
@@ -321,11 +322,59 @@ class LowLatencyMixin:
         return [rank for rank in range(self.group_size) if mask[rank]]
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
-        """DeepEP's name: mask=True masks the rank; unmasking is not supported."""
+        """DeepEP's name: mask=True masks the rank. mask=False is refused: a rank comes
+        back only as a new process, through a rejoin (rejoin / Buffer.create_rejoin)."""
         if not mask:
-            raise NotImplementedError("low_latency_update_mask_buffer: epx masks are not "
-                                      "undone (mask=False is not supported)")
+            raise NotImplementedError(
+                "low_latency_update_mask_buffer: mask=False is not supported: epx unmasks a "
+                "rank only when a new process takes its place through a rejoin "
+                "(survivors: Buffer.rejoin(new_group); the newcomer: "
+                "Buffer.create_rejoin(new_group, ...); docs/STABILITY.md \"Rejoin\")")
         self.mask_rank(rank_to_mask)
+
+    def rejoin(self, group):
+        """Survivor side of a rejoin: take the ranks this buffer masked back, as new
+        processes (epx_ll_rejoin; docs/STABILITY.md "Rejoin"). CPU backend only.
+
+        group: the new group that every rank formed from a fresh rendezvous (a unique id
+        a survivor makes and hands to the newcomers), with the same world size and rank
+        numbers: an epx.Group (or a torch.distributed ProcessGroup, over which an
+        epx.Group is made and owned by the buffer). Collective over it, with the
+        newcomers' Buffer.create_rejoin(group, ...); call it between steps (no
+        low-latency operation sent and not received).
+
+        On success the newcomers are unmasked and the next dispatch includes every rank;
+        low-latency handles from before are stale; the buffer belongs to `group`
+        (self.group; destroy the buffer before it; a group the buffer made itself, as from
+        Group.from_env, is destroyed here since nothing uses it any more), and serves
+        low-latency mode only (normal-mode calls raise ERR_INVALID_STATE).
+
+        On failure raises EpxError and the buffer is as it was (serving, the ranks still
+        masked): ERR_INVALID_ARG at once for the buffer's own group or a group in which
+        this process has another rank or world size; ERR_INVALID_STATE when a masked rank
+        does not come back, a newcomer is not masked here, an operation is in flight, or
+        the lost process still runs; ERR_REMOTE naming a rank that refused;
+        ERR_UNSUPPORTED on the CUDA backend (NVSHMEM cannot add a process to a running
+        job). Try again with a new group.
+        """
+        from .buffer import _resolve_group  # buffer.py imports this module
+        if group is None:
+            raise invalid_argument("rejoin: group is None: pass the new group every rank "
+                                   "formed for the rejoin")
+        owns = not isinstance(group, Group)
+        group = _resolve_group("rejoin", group, self.backend)
+        try:
+            check(_capi.api().epx_ll_rejoin(self.pointer, group.pointer), "ll_rejoin")
+        except EpxError:
+            if owns:
+                group.destroy()
+            raise
+        old, old_owned = self.group, self._owns_group
+        old._buffers.discard(self)
+        group._buffers.add(self)
+        self.group, self._owns_group = group, owns
+        if old_owned and old is not group:
+            old.destroy()  # local (include/epx.h); the buffer no longer uses it
 
     def low_latency_query_mask_buffer(self, mask_status):
         """DeepEP's name: writes 1 for masked ranks, 0 for others, into the int32

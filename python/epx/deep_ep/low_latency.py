@@ -89,10 +89,12 @@ class LowLatencyMethods:
 
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
         """mask=True: leave rank_to_mask out of later low-latency calls. Unmasking is not
-        supported (NotImplementedError)."""
+        supported (NotImplementedError): only a rejoin unmasks (epx.Buffer.rejoin)."""
         if not mask:
-            raise NotImplementedError("low_latency_update_mask_buffer: epx masks are not undone "
-                                      "(mask=False is not supported)")
+            raise NotImplementedError("low_latency_update_mask_buffer: mask=False is not "
+                                      "supported: epx unmasks a rank only when a new process "
+                                      "takes its place through a rejoin (epx.Buffer.rejoin / "
+                                      "epx.Buffer.create_rejoin, docs/STABILITY.md)")
         rank = int(rank_to_mask)
         if not 0 <= rank < self.group_size or rank == self.rank:
             raise invalid_argument("low_latency_update_mask_buffer: rank %d is not a peer of "
