@@ -502,7 +502,7 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     bc.moe = moe;
     bc.scale_cols = options->hidden / 128;
     snprintf(bc.label, sizeof(bc.label), "rank %d %s", bc.rank,
-             dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
+             epx__bench_dtype_text(dtype));
 
     setup(&bc);
     rank_summary_t mine;

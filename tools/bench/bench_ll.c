@@ -224,7 +224,7 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
         lc.cast.use_ue8m0 = options->use_ue8m0;
     }
     snprintf(lc.label, sizeof(lc.label), "rank %d %s", lc.rank,
-             dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
+             epx__bench_dtype_text(dtype));
 
     setup(&lc);
     rank_summary_t mine;

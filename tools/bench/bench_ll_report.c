@@ -61,20 +61,6 @@ epx__bench_stats_t epx__bench_stats(const double *values, int count)
     return stats;
 }
 
-static const char *dtype_text(epx_dtype_t dtype)
-{
-    return dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
-}
-
-static const char *check_text(int check)
-{
-    if (check == EPX__BENCH_CHECK_PASS)
-        return "PASS";
-    if (check == EPX__BENCH_CHECK_FAIL)
-        return "FAIL";
-    return "-";
-}
-
 static const char *scales_text(const epx__bench_ll_context_t *ll)
 {
     if (ll->use_ue8m0)
@@ -114,7 +100,7 @@ void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
             scales_text(ll));
     fprintf(out, "# buffer: %s per rank (epx_buffer_size), %s of it for low latency "
                  "(max_low_latency_tokens %lld, low_latency_dtype %s: rows sized for %s)\n",
-            total, low_latency, (long long)c->tokens, dtype_text(ll->ll_dtype),
+            total, low_latency, (long long)c->tokens, epx__bench_dtype_text(ll->ll_dtype),
             ll->ll_dtype == EPX_DTYPE_FP8_E4M3 ? "fp8 dispatch only" : "bf16 or fp8 dispatch");
     epx__bench_print_floor_header(
         out, c,
@@ -136,7 +122,8 @@ static void print_table_row(FILE *out, const epx__bench_ll_context_t *ll,
                             const epx__bench_ll_row_t *row)
 {
     double floor = floor_us(ll, row);
-    fprintf(out, "  %-5s %-14s ", dtype_text(row->dtype), epx__bench_ll_op_name(row->op));
+    fprintf(out, "  %-5s %-14s ", epx__bench_dtype_text(row->dtype),
+            epx__bench_ll_op_name(row->op));
     const double numbers[] = {row->rank0.median_us, row->rank0.p99_us, row->rank0.mean_us};
     for (size_t i = 0; i < sizeof(numbers) / sizeof(numbers[0]); i++) {
         epx__bench_print_number(out, 10, 1, numbers[i], "-");
@@ -155,7 +142,7 @@ static void print_table_row(FILE *out, const epx__bench_ll_context_t *ll,
     fputc(' ', out);
     epx__bench_print_number(out, 10, 2, epx__bench_floor_over_time(floor, row->slowest.median_us),
                             "-");
-    fprintf(out, " %5s\n", check_text(row->check));
+    fprintf(out, " %5s\n", epx__bench_check_text(row->check));
 }
 
 typedef enum { STAT_MEDIAN, STAT_P99, STAT_MEAN } stat_t;
@@ -194,7 +181,7 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
                  "\"use_ue8m0\":%d,\"combine_dtype\":\"bf16\",\"op\":\"%s\"",
             c->backend, c->ranks, (long long)c->tokens, (long long)c->hidden, c->experts,
             c->topk, (unsigned long long)c->seed, c->warmup, c->iters,
-            dtype_text(row->dtype), fp8 && ll->round_scale, fp8 && ll->use_ue8m0,
+            epx__bench_dtype_text(row->dtype), fp8 && ll->round_scale, fp8 && ll->use_ue8m0,
             epx__bench_ll_op_name(row->op));
     epx__bench_print_json_number(out, "sms", c->sms > 0 ? c->sms : NAN);
     epx__bench_print_json_number(out, "median_us", row->rank0.median_us);
@@ -222,11 +209,8 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
     fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld,"
                  "\"ll_dtype\":\"%s\"",
             (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes,
-            dtype_text(ll->ll_dtype));
-    if (row->check == EPX__BENCH_CHECK_NONE)
-        fprintf(out, ",\"check\":null}\n");
-    else
-        fprintf(out, ",\"check\":\"%s\"}\n", check_text(row->check));
+            epx__bench_dtype_text(ll->ll_dtype));
+    epx__bench_print_json_check_end(out, row->check);
 }
 
 void epx__bench_ll_print_row(FILE *out, const epx__bench_ll_context_t *ll,
@@ -245,7 +229,7 @@ void epx__bench_ll_print_per_rank(FILE *out, const epx__bench_ll_context_t *ll,
     int ranks = ll->context->ranks;
     fprintf(out, "# per rank, median_us of ranks 0..%d:\n", ranks - 1);
     for (int i = 0; i < count; i++) {
-        fprintf(out, "#   %-5s %-14s", dtype_text(rows[i].dtype),
+        fprintf(out, "#   %-5s %-14s", epx__bench_dtype_text(rows[i].dtype),
                 epx__bench_ll_op_name(rows[i].op));
         for (int r = 0; r < ranks; r++) {
             fputc(' ', out);

@@ -177,7 +177,7 @@ void epx__bench_nodes_print_header(FILE *out, const epx__bench_nodes_shape_t *sh
 static void print_table_row(FILE *out, const epx__bench_nodes_row_t *row)
 {
     const epx__bench_nodes_counts_t *total = &row->total;
-    fprintf(out, "  %-5s %-9s %13lld ", row->dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+    fprintf(out, "  %-5s %-9s %13lld ", epx__bench_dtype_text(row->dtype),
             op_name(row->op), (long long)epx__bench_nodes_network_bytes(row, &row->rank0));
     epx__bench_print_number(out, 12, 1,
                             per_token(epx__bench_nodes_network_bytes(row, total), total->tokens),
@@ -216,7 +216,7 @@ static void print_json_row(FILE *out, const epx__bench_nodes_shape_t *shape,
             "\"local_bytes_per_rank\":%lld,\"local_bytes_total\":%lld",
             shape->world_size, shape->ranks_per_node, shape->world_size / shape->ranks_per_node,
             shape->num_experts, shape->num_topk, (long long)shape->hidden,
-            row->dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16", op_name(row->op),
+            epx__bench_dtype_text(row->dtype), op_name(row->op),
             (long long)total->tokens, (long long)rank0->records, (long long)total->records,
             (long long)row->sizes.payload, (long long)row->sizes.overhead,
             (long long)row->sizes.local_row, (long long)total->home_rows,

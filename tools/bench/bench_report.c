@@ -105,7 +105,7 @@ static double gbps(const epx__bench_row_t *row)
     return (double)row->bytes_per_rank / (row->median_us * 1e3);
 }
 
-static const char *check_text(int check)
+const char *epx__bench_check_text(int check)
 {
     if (check == EPX__BENCH_CHECK_PASS)
         return "PASS";
@@ -114,9 +114,17 @@ static const char *check_text(int check)
     return "-";
 }
 
-static const char *dtype_text(epx_dtype_t dtype)
+const char *epx__bench_dtype_text(epx_dtype_t dtype)
 {
     return dtype == EPX_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
+}
+
+void epx__bench_print_json_check_end(FILE *out, int check)
+{
+    if (check == EPX__BENCH_CHECK_NONE)
+        fprintf(out, ",\"check\":null}\n");
+    else
+        fprintf(out, ",\"check\":\"%s\"}\n", epx__bench_check_text(check));
 }
 
 void epx__bench_format_bytes(int64_t bytes, char *text, size_t size)
@@ -189,7 +197,7 @@ static void print_table_row(FILE *out, const epx__bench_context_t *context,
                             const epx__bench_row_t *row)
 {
     double floor_us = epx__bench_floor_us(context, row);
-    fprintf(out, "  %-5s %-16s ", dtype_text(row->dtype), epx__bench_op_name(row->op));
+    fprintf(out, "  %-5s %-16s ", epx__bench_dtype_text(row->dtype), epx__bench_op_name(row->op));
     epx__bench_print_number(out, 11, 1, row->median_us, "-");
     fputc(' ', out);
     epx__bench_print_number(out, 11, 1, row->p99_us, "-");
@@ -201,7 +209,7 @@ static void print_table_row(FILE *out, const epx__bench_context_t *context,
     epx__bench_print_number(out, 11, 1, floor_us, "-");
     fputc(' ', out);
     epx__bench_print_number(out, 10, 2, epx__bench_floor_over_time(floor_us, row->slowest_us), "-");
-    fprintf(out, " %5s\n", check_text(row->check));
+    fprintf(out, " %5s\n", epx__bench_check_text(row->check));
 }
 
 void epx__bench_print_json_number(FILE *out, const char *key, double value)
@@ -223,7 +231,7 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
             context->backend, context->ranks, (long long)context->tokens,
             (long long)context->hidden, context->experts, context->topk, context->alignment,
             (unsigned long long)context->seed, context->warmup, context->iters,
-            dtype_text(row->dtype), epx__bench_op_name(row->op));
+            epx__bench_dtype_text(row->dtype), epx__bench_op_name(row->op));
     epx__bench_print_json_number(out, "sms", context->sms > 0 ? context->sms : NAN);
     epx__bench_print_json_number(out, "median_us", row->median_us);
     epx__bench_print_json_number(out, "p99_us", row->p99_us);
@@ -238,10 +246,7 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
     epx__bench_print_json_number(out, "floor_us", floor_us);
     epx__bench_print_json_number(out, "floor_over_time",
                                  epx__bench_floor_over_time(floor_us, row->slowest_us));
-    if (row->check == EPX__BENCH_CHECK_NONE)
-        fprintf(out, ",\"check\":null}\n");
-    else
-        fprintf(out, ",\"check\":\"%s\"}\n", check_text(row->check));
+    epx__bench_print_json_check_end(out, row->check);
 }
 
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,

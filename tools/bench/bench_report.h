@@ -99,6 +99,11 @@ void epx__bench_print_number(FILE *out, int width, int precision, double value,
                              const char *missing);
 void epx__bench_print_json_number(FILE *out, const char *key, double value);
 void epx__bench_format_bytes(int64_t bytes, char *text, size_t size);
+/* "fp8" or "bf16" (the bench's two dispatch dtypes); "PASS", "FAIL" or "-" for an
+ * EPX__BENCH_CHECK_* value; a JSON row's last field, the check, and its closing brace. */
+const char *epx__bench_dtype_text(epx_dtype_t dtype);
+const char *epx__bench_check_text(int check);
+void epx__bench_print_json_check_end(FILE *out, int check);
 
 void epx__bench_print_header(FILE *out, const epx__bench_context_t *context);
 /* Header pieces both modes print: ", SMs N" on the GPU backend only; the floor's

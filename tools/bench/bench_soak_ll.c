@@ -172,6 +172,13 @@ static epx_status_t write_expert_outputs(ll_round_t *r, void *x, const int32_t *
     return status;
 }
 
+/* One lost peer in this round; the first one's call duration is the detection time. */
+static void count_loss(epx__soak_round_t *out, double us)
+{
+    if (out->peer_losses++ == 0)
+        out->detect_us = us;
+}
+
 /* A low-latency call's status: a lost peer is counted, anything else fails the round. */
 static int sort_status(epx__soak_round_t *out, int rank, epx_status_t status, double us,
                        const char *what)
@@ -179,8 +186,7 @@ static int sort_status(epx__soak_round_t *out, int rank, epx_status_t status, do
     if (status == EPX_SUCCESS)
         return 1;
     if (status == EPX_ERR_TIMEOUT || status == EPX_ERR_REMOTE) {
-        if (out->peer_losses++ == 0)
-            out->detect_us = us;
+        count_loss(out, us);
         fprintf(stderr, "epx bench: soak: rank %d: %s lost a peer after %.0f us (masked, the "
                         "step goes on): %s\n",
                 rank, what, us, epx__tool_error_text());
@@ -204,19 +210,21 @@ static void note_new_mask(ll_round_t *r, epx__soak_round_t *out, int32_t *mask32
 {
     epx__soak_t *soak = r->soak;
     int R = soak->world;
-    int32_t now[1024];
-    if (R > 1024 || epx_ll_get_masked(soak->buffer, now, R) != EPX_SUCCESS)
+    int32_t *now = calloc((size_t)R, sizeof(int32_t));
+    if (now == NULL || epx_ll_get_masked(soak->buffer, now, R) != EPX_SUCCESS) {
+        free(now);
         return;
+    }
     for (int i = 0; i < R; i++) {
         if (now[i] && !mask32[i]) {
-            if (out->peer_losses++ == 0)
-                out->detect_us = us;
+            count_loss(out, us);
             fprintf(stderr, "epx bench: soak: rank %d: %s lost rank %d after %.0f us (masked on "
                             "the device, the step goes on)\n",
                     soak->rank, what, i, us);
         }
         mask32[i] = now[i];
     }
+    free(now);
 }
 
 /* Send (and receive, when split) one op, timed from the send to the end of the receive. */
