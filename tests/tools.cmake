@@ -35,3 +35,11 @@ target_include_directories(test_bench_nodes PRIVATE ${CMAKE_SOURCE_DIR}/tools/be
 target_link_libraries(test_bench_nodes PRIVATE epx_internal epx_test_common m)
 add_test(NAME tools.bench_nodes_counts COMMAND test_bench_nodes)
 set_tests_properties(tools.bench_nodes_counts PROPERTIES TIMEOUT 60)
+
+# scripts/ll-trace (the EPX_LL_TRACE reader) on hand-made traces.
+find_package(Python3 COMPONENTS Interpreter)
+if(Python3_Interpreter_FOUND)
+  add_test(NAME tools.ll_trace
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tools/test_ll_trace.py)
+  set_tests_properties(tools.ll_trace PROPERTIES TIMEOUT 60)
+endif()

@@ -117,6 +117,13 @@ void epx__log_set_rank(int rank);
     X(LL_KERNELS, INT, 2, 1, 2,                                                             \
       "Low-latency CUDA kernels: 1 = receive packs the rows, 2 = rows placed once by the " \
       "sender (docs/LOW_LATENCY.md)")                                                        \
+    X(LL_COMBINE_RECV, INT, 3, 1, 4,                                                        \
+      "Low-latency kernels 2, combine receive loads: 1 = cp.async stages in shared memory, " \
+      "2 = registers, two units a warp in flight, 3 = registers, one unit, 4 = TMA bulk "  \
+      "copies into shared memory stages")                                                  \
+    X(LL_TRACE, STRING, "", 0, 0,                                                           \
+      "Developers: low-latency kernels 2 record phase times; written to <value>.<rank> when " \
+      "the buffer is destroyed (scripts/ll-trace reads them)")                              \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
       "Tests: internode puts go in reverse token order, half of them held up to this many ns") \
     X(XN_RING_TOKENS, INT, 0, 0, 1048576,                                                   \

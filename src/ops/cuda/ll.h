@@ -31,6 +31,7 @@ typedef struct epx__cuda_ll {
     epx_ll_fail_t *fail;   /* host address of the mapped failure record */
     epx__cuda_ll_slot_t slots[2];
     int counted;           /* in the process's count of live low-latency buffers */
+    uint64_t *trace;       /* cudaMalloc: the phase trace (EPX_LL_TRACE), or NULL */
 } epx__cuda_ll_t;
 
 /*

@@ -65,7 +65,7 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 6
+#define EPX_LL_PLUGIN_ABI 7
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
@@ -96,7 +96,9 @@ typedef struct {
     int rank, world, num_local, num_experts, topk;
     int blocks;       /* the SM budget: grid size of every kernel */
     int kernels;      /* 1: cells packed by the receive; 2: rows placed once (ll2_*.cu) */
-    int stages;       /* kernels 2: the combine receive's copy stages (shared memory) */
+    int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-4) */
+    int stages;       /* kernels 2: the combine receive's copy stages (shared memory; 0 for
+                         loads into registers) */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
     int may_put;      /* the plan reserved memory for puts (groups across nodes, or forced) */
     int64_t hidden, max_tokens, rows, scale_cols; /* rows = M * R */
@@ -123,7 +125,44 @@ typedef struct {
     uint64_t *arrived;         /* kernels 2: [2 slots][R] */
     uint64_t *combine_arrived; /* kernels 2: [2 slots][R] */
     epx_ll_fail_t *fail; /* device address of the host-mapped record */
+    uint64_t *trace;     /* kernels 2: phase times (EPX_LL_TRACE, below), or NULL: off */
 } epx_ll_shape_t;
+
+/*
+ * The phase trace (EPX_LL_TRACE, a developers' tool; docs/LOW_LATENCY.md, "Where a step's
+ * time goes"): kernels 2 record the GPU's global timer (ns, one clock for every process on
+ * the GPU) as thread 0 of each block passes each phase, for the last EPX_LL_TRACE_CALLS
+ * operations of each kind. Layout of shape.trace, u64: times [calls][2 kinds][blocks]
+ * [EPX_LL_TRACE_EVENTS] (0: not reached), then ids [calls][2 kinds] (seq * 2 + slot + 1 of
+ * the operation whose times are there; 0: none). Operation (seq, slot) lives at call
+ * (seq * 2 + slot) % EPX_LL_TRACE_CALLS, so every rank keeps the same operations at the
+ * same places.
+ */
+#define EPX_LL_TRACE_CALLS 256
+#define EPX_LL_TRACE_EVENTS 8
+enum { EPX_LL_TRACE_DISPATCH = 0, EPX_LL_TRACE_COMBINE = 1 };
+/* Dispatch events (the receive's two are block 0's). */
+enum {
+    EPX_LL_TR_D_START = 0,     /* kernel entered */
+    EPX_LL_TR_D_RELEASED = 1,  /* receivers gave the slot back */
+    EPX_LL_TR_D_PUBLISHED = 2, /* this rank's counts published */
+    EPX_LL_TR_D_BASE = 3,      /* the lower ranks' counts in (the count exchange) */
+    EPX_LL_TR_D_STORED = 4,    /* the block's rows stored */
+    EPX_LL_TR_D_SENT = 5,      /* arrival counted (last block: puts issued too) */
+    EPX_LL_TR_D_COUNTS = 6,    /* receive: every source's counts read */
+    EPX_LL_TR_D_ARRIVED = 7    /* receive: every source's rows arrived */
+};
+/* Combine events. */
+enum {
+    EPX_LL_TR_C_START = 0,    /* kernel entered */
+    EPX_LL_TR_C_RELEASED = 1, /* send: homes gave the slot back (block 0) */
+    EPX_LL_TR_C_SIGNALLED = 2,/* send: "outputs ready" raised (block 0) */
+    EPX_LL_TR_C_ROUTED = 3,   /* receive: first routing batch in shared memory */
+    EPX_LL_TR_C_READY = 4,    /* receive: every expert rank's outputs ready */
+    EPX_LL_TR_C_REDUCED = 5,  /* receive: the block's tokens summed and stored */
+    EPX_LL_TR_C_DONE = 6      /* the last block told the expert ranks */
+};
+
 
 /* One operation's arguments (device addresses; strides in elements). */
 typedef struct {
@@ -177,6 +216,12 @@ typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);
 #define EPX_LL_HOST_DEVICE static inline
 #endif
 
+/* Words of the phase trace of a buffer whose kernels run `blocks` blocks. */
+EPX_LL_HOST_DEVICE size_t epx_ll_trace_words(int blocks)
+{
+    return (size_t)EPX_LL_TRACE_CALLS * 2 * ((size_t)blocks * EPX_LL_TRACE_EVENTS + 1);
+}
+
 /* Tokens a send block places at a time (bounded so shared memory stays small). */
 EPX_LL_HOST_DEVICE int epx_ll_chunk_tokens(int topk)
 {
@@ -221,6 +266,8 @@ EPX_LL_HOST_DEVICE size_t epx_ll_recv_smem(int local, int world)
 #define EPX_LL2_ROUTE_TOKENS 32
 /* Rows a combine receive lane copies per pipeline stage (16 bytes of each). */
 #define EPX_LL2_STAGE_ROWS 8
+/* Most copy stages a combine receive warp may have (its bulk barriers are static). */
+#define EPX_LL2_MAX_STAGES 3
 
 /* Tokens a kernels-2 send block places at a time. */
 EPX_LL_HOST_DEVICE int epx_ll2_chunk_tokens(int topk)
@@ -261,7 +308,8 @@ EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world
  */
 EPX_LL_HOST_DEVICE size_t epx_ll2_combine_stage_bytes(int stages)
 {
-    return (size_t)(EPX_LL2_THREADS / 32) * (size_t)stages * EPX_LL2_STAGE_ROWS * 32 * 16;
+    /* 0: the receive loads into registers (EPX_LL_COMBINE_RECV 2, 3), no stages. */
+    return stages <= 0 ? 0 : (size_t)(EPX_LL2_THREADS / 32) * (size_t)stages * EPX_LL2_STAGE_ROWS * 32 * 16;
 }
 
 EPX_LL_HOST_DEVICE size_t epx_ll2_combine_smem(int experts, int topk, int world, int stages,

@@ -182,10 +182,12 @@ void epx__cuda_nvshmem_release(int healthy)
     epx__nvshmem_user_end(healthy);
 }
 
-/* Kernels 2: the combine receive's copy stages and its shared memory (the plugin's). */
+/* Kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV), its copy stages and its
+ * shared memory (the plugin's prepare). */
 static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
 {
     epx_ll_shape_t *s = &ll->shape;
+    s->combine_recv = (int)epx__param_int(EPX_PARAM_LL_COMBINE_RECV);
     int err = ll->plugin->prepare(s);
     if (err != cudaSuccess)
         return EPX_CUDA_ERROR((cudaError_t)err,
@@ -193,6 +195,51 @@ static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
                               "combine (%d experts, top-%d, %d ranks)",
                               s->num_experts, s->topk, s->world);
     return EPX_SUCCESS;
+}
+
+/* The phase trace when EPX_LL_TRACE names a file prefix (kernels 2 only). */
+static epx_status_t create_trace(epx__cuda_ll_t *ll)
+{
+    epx_ll_shape_t *s = &ll->shape;
+    if (s->kernels != 2 || epx__param_string(EPX_PARAM_LL_TRACE)[0] == '\0')
+        return EPX_SUCCESS;
+    size_t bytes = epx_ll_trace_words(s->blocks) * sizeof(uint64_t);
+    EPX_CUDA_CHECK(cudaMalloc((void **)&ll->trace, bytes),
+                   "buffer_create: cudaMalloc of %zu bytes (EPX_LL_TRACE)", bytes);
+    EPX_CUDA_CHECK(cudaMemset(ll->trace, 0, bytes), "buffer_create: zeroing the trace");
+    s->trace = ll->trace;
+    return EPX_SUCCESS;
+}
+
+/*
+ * Write the trace to <EPX_LL_TRACE>.<rank>: a header of 8 int64 (magic "EPXLLTR1" as
+ * bytes, rank, world, blocks, calls, events, kernels, 0), then the trace's words
+ * (ll_plugin.h). Best effort: a failure is logged, never an error.
+ */
+static void write_trace(const epx__cuda_ll_t *ll)
+{
+    const epx_ll_shape_t *s = &ll->shape;
+    size_t words = epx_ll_trace_words(s->blocks);
+    uint64_t *host = malloc(words * sizeof(uint64_t));
+    char path[1100];
+    snprintf(path, sizeof(path), "%s.%d", epx__param_string(EPX_PARAM_LL_TRACE), s->rank);
+    FILE *file = NULL;
+    if (host != NULL &&
+        cudaMemcpy(host, ll->trace, words * sizeof(uint64_t), cudaMemcpyDeviceToHost) == cudaSuccess)
+        file = fopen(path, "wb");
+    if (file != NULL) {
+        int64_t header[8] = {0, s->rank, s->world, s->blocks, EPX_LL_TRACE_CALLS,
+                             EPX_LL_TRACE_EVENTS, s->kernels, 0};
+        memcpy(&header[0], "EPXLLTR1", 8);
+        if (fwrite(header, sizeof(header), 1, file) != 1 ||
+            fwrite(host, sizeof(uint64_t), words, file) != words)
+            EPX_WARN(EPX_SUBSYS_OPS, "EPX_LL_TRACE: writing %s failed", path);
+        fclose(file);
+        EPX_INFO(EPX_SUBSYS_OPS, "EPX_LL_TRACE: wrote %s", path);
+    } else {
+        EPX_WARN(EPX_SUBSYS_OPS, "EPX_LL_TRACE: could not write %s", path);
+    }
+    free(host);
 }
 
 /* Device memory, the peer table and the failure record; zeroes everything. */
@@ -259,6 +306,7 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     cudaError_t err = cudaMemcpy(peer_table, peers, (size_t)R * sizeof(char *), cudaMemcpyHostToDevice);
     free(peers);
     EPX_CUDA_CHECK(err, "buffer_create: copying the peer table");
+    EPX_CHECK(create_trace(ll));
     EPX_CUDA_CHECK(cudaDeviceSynchronize(), "buffer_create: initialising low-latency memory");
     if (s->kernels == 2)
         EPX_CHECK(prepare_kernels2(ll));
@@ -324,6 +372,11 @@ void epx__cuda_ll_destroy(epx__cuda_ll_t *ll, int healthy)
         epx__nvshmem_user_end(healthy);
     if (ll->sym != NULL && healthy)
         epx__nvshmem_free(ll->sym);
+    if (ll->trace != NULL) {
+        if (healthy && cudaDeviceSynchronize() == cudaSuccess)
+            write_trace(ll);
+        (void)cudaFree(ll->trace);
+    }
     if (ll->local != NULL)
         (void)cudaFree(ll->local);
     if (ll->fail != NULL)

@@ -30,6 +30,7 @@
  */
 #include <cuda_bf16.h>
 
+#include "ops/cuda/bulk.cuh"
 #include "ops/cuda/nvshmem/ll2_device.cuh"
 
 namespace {
@@ -51,9 +52,11 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     const char *x = reinterpret_cast<const char *>(op.x);
     const int in_place = x == own + s.combine_in;
     const int moves = s.use_puts || !in_place;
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
     if (!moves && blockIdx.x != 0)
         return;
     epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE_DONE, slot, seq - 1, EPX_LL_STAGE_COMBINE_RELEASE, ok);
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_RELEASED);
 
     if (!moves || in_place) {
         /* The outputs are in place already (written by earlier kernels of this stream):
@@ -65,6 +68,7 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
                     epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
                 }
             }
+            epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
         }
         if (!moves) {
             epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
@@ -283,6 +287,175 @@ __device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
     epx_ll2_cp_async_wait<0>();
 }
 
+/*
+ * The same reduction with plain loads into registers (EPX_LL_COMBINE_RECV=2: kUnits 2;
+ * 3: kUnits 1): each warp takes kUnits (token, 256-channel chunk) units at a time and issues the loads of
+ * up to 8 of each unit's rows (16 bytes a lane, L2 only: the rows come from peers) before
+ * it sums any, so 8 * kUnits loads a lane are in flight; then the next 8 rows. Same sums,
+ * in the same top-k order, as reduce_batch.
+ */
+template <int kUnits>
+__device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &op,
+                                   const recv_smem_t &m, int64_t b0, int n)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
+    const int chunks = (int)((s.hidden + 255) / 256);
+    const int units = n * chunks;
+    for (int u0 = warp; u0 < units; u0 += kUnits * EPX_LL_WARPS) {
+        int entry[kUnits], valid[kUnits]; /* first routing entry of the unit's token */
+        int channel[kUnits];
+#pragma unroll
+        for (int d = 0; d < kUnits; d++) {
+            const int u = u0 + d * EPX_LL_WARPS;
+            entry[d] = u < units ? (u / chunks) * k : 0;
+            channel[d] = (u % chunks) * 256 + lane * 8;
+            valid[d] = (u < units && channel[d] < s.hidden) ? m.valid[u / chunks] : 0;
+        }
+        float acc[kUnits][8];
+        for (int g = 0; g < k; g += 8) {
+            int4 raw[kUnits][8];
+#pragma unroll
+            for (int d = 0; d < kUnits; d++) {
+#pragma unroll
+                for (int b = 0; b < 8; b++) {
+                    if (g + b < valid[d]) {
+                        const char *row = reinterpret_cast<const char *>(m.row[entry[d] + g + b]);
+                        raw[d][b] = __ldcg(reinterpret_cast<const int4 *>(row) + channel[d] / 8);
+                    }
+                }
+            }
+#pragma unroll
+            for (int d = 0; d < kUnits; d++) {
+#pragma unroll
+                for (int b = 0; b < 8; b++) {
+                    const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[d][b]);
+                    const float w = g + b < valid[d] ? m.weight[entry[d] + g + b] : 0.0f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) {
+                        if (g + b == 0)
+                            acc[d][i] = 0.0f;
+                        if (g + b < valid[d])
+                            acc[d][i] = __fadd_rn(acc[d][i], __fmul_rn(w, __bfloat162float(y[i])));
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < kUnits; d++) {
+            if (u0 + d * EPX_LL_WARPS >= units || channel[d] >= s.hidden)
+                continue;
+            int4 packed;
+            __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o[i] = __float2bfloat16_rn(k > 0 ? acc[d][i] : 0.0f);
+            const int64_t token = b0 + entry[d] / k;
+            epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)token * op.out_stride + channel[d]) * 2,
+                      packed);
+        }
+    }
+}
+
+/*
+ * The same reduction with TMA bulk copies (EPX_LL_COMBINE_RECV=4): each warp a ring of
+ * `stages` stages of up to 8 rows x 512 bytes (one unit's group of rows), one mbarrier a
+ * stage; lanes 0..7 each start one row's bulk copy of the unit's chunk, so a warp keeps
+ * stages - 1 units' rows in flight while it sums one, without registers or per-lane copy
+ * instructions. `item` counts the warp's items over the batches (the barriers' phases).
+ */
+__device__ void reduce_batch_bulk(const epx_ll_shape_t &s, const epx_ll_op_t &op,
+                                  const recv_smem_t &m, int64_t b0, int n, int stages,
+                                  uint64_t *bars, uint32_t &item)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
+    const int chunks = (int)((s.hidden + 255) / 256);
+    const int groups = (k + EPX_LL2_STAGE_ROWS - 1) / EPX_LL2_STAGE_ROWS;
+    const int units = n * chunks;
+    const int my_units = warp < units ? (units - warp + EPX_LL_WARPS - 1) / EPX_LL_WARPS : 0;
+    const int items = my_units * groups;
+    char *ring = reinterpret_cast<char *>(m.stages) + (size_t)warp * stages * EPX_LL2_STAGE_ROWS * 512;
+    uint64_t *bar = bars + warp * EPX_LL2_MAX_STAGES;
+
+    /* Item p's copies into stage (item + p) % stages; every lane calls it. */
+    auto issue = [&](int p) {
+        if (p >= items)
+            return;
+        const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
+        const int tt = unit / chunks;
+        const int64_t channel = (int64_t)(unit % chunks) * 256;
+        const int rows = max(0, min(EPX_LL2_STAGE_ROWS, m.valid[tt] - g * EPX_LL2_STAGE_ROWS));
+        const uint32_t bytes = (uint32_t)(min((int64_t)256, s.hidden - channel) * 2);
+        const int at = (int)((item + p) % (uint32_t)stages);
+        /* The stage's previous item was read by every lane, each fenced against the async
+         * proxy before the __syncwarp in the loop that precedes this call. */
+        if (lane == 0)
+            epx_mbar_arrive_expect(bar + at, (uint32_t)rows * bytes);
+        __syncwarp();
+        if (lane < rows) {
+            const char *row = reinterpret_cast<const char *>(m.row[tt * k + g * EPX_LL2_STAGE_ROWS + lane]);
+            epx_bulk_load(ring + ((size_t)at * EPX_LL2_STAGE_ROWS + lane) * 512, row + channel * 2, bytes,
+                          bar + at);
+        }
+    };
+
+    for (int p = 0; p < stages - 1; p++)
+        issue(p);
+    float acc[8];
+    for (int i = 0; i < 8; i++)
+        acc[i] = 0.0f;
+    for (int p = 0; p < items; p++) {
+        const uint32_t global_item = item + (uint32_t)p;
+        const int at = (int)(global_item % (uint32_t)stages);
+        const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
+        const int tt = unit / chunks;
+        const int64_t channel = (int64_t)(unit % chunks) * 256 + lane * 8;
+        const int valid = m.valid[tt];
+        if (!epx_mbar_wait(bar + at, (global_item / (uint32_t)stages) & 1u, s.timeout_ns, s.mask + s.world)) {
+            /* Never expected (a copy that does not complete is a fault): give up the unit. */
+            if (lane == 0 && atomicCAS(s.mask + s.world, 0, 1) == 0) {
+                volatile epx_ll_fail_t *f = s.fail;
+                f->stage = EPX_LL_STAGE_COMBINE;
+                f->peer = s.rank;
+                __threadfence_system();
+                f->code = 1;
+            }
+        }
+        const int4 *slot = reinterpret_cast<const int4 *>(ring + (size_t)at * EPX_LL2_STAGE_ROWS * 512) + lane;
+        if (channel < s.hidden) {
+            for (int b = 0; b < EPX_LL2_STAGE_ROWS; b++) {
+                const int jj = g * EPX_LL2_STAGE_ROWS + b;
+                if (jj >= valid)
+                    break;
+                const int4 raw = slot[b * 32];
+                const float w = m.weight[tt * k + jj];
+                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+            }
+        }
+        epx_bulk_fence_shared(); /* this lane's reads of stage `at`, before bulk copies refill it */
+        __syncwarp();
+        issue(p + stages - 1);
+        if (g == groups - 1) {
+            if (channel < s.hidden) {
+                int4 packed;
+                __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+#pragma unroll
+                for (int i = 0; i < 8; i++)
+                    o[i] = __float2bfloat16_rn(acc[i]);
+                epx_st_v4(reinterpret_cast<char *>(op.out) +
+                              ((size_t)(b0 + tt) * op.out_stride + channel) * 2,
+                          packed);
+            }
+            for (int i = 0; i < 8; i++)
+                acc[i] = 0.0f;
+        }
+    }
+    item += (uint32_t)items;
+}
+
+template <int kLoads>
 __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
                              int stages)
 {
@@ -301,9 +474,20 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     const int64_t t0 = min(T, (int64_t)blockIdx.x * per), t1 = min(T, t0 + per);
     char *own = s.sym + s.slot[slot];
 
+    if (!fused)
+        epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
+    /* Bulk copies (kLoads 4): each warp's stage barriers, used from phase 0 in this launch. */
+    __shared__ uint64_t bars[kLoads == 4 ? EPX_LL_WARPS * EPX_LL2_MAX_STAGES : 1];
+    uint32_t bulk_item = 0;
+    if (kLoads == 4 && (threadIdx.x & 31) == 0) {
+        for (int i = 0; i < stages; i++)
+            epx_mbar_init(bars + (threadIdx.x >> 5) * EPX_LL2_MAX_STAGES + i, 1);
+        epx_mbar_init_fence();
+    }
     /* The first batch's routing before the waits (it needs only this rank's memory). */
     if (t0 < t1)
         load_routing(s, op, m, t0, (int)min((int64_t)tc, t1 - t0));
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_ROUTED);
     /* Pulled ranks: their "outputs ready" flag; pushing ranks: the rows they push, as
      * many as this rank sent them in the dispatch, counted by their signals. */
     const int32_t *sent_rows = reinterpret_cast<const int32_t *>(s.local[slot] + s.sent_rows);
@@ -319,16 +503,31 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
                                        EPX_LL_STAGE_COMBINE);
         m.ok[r] = alive;
     }
+    if (kLoads == 4) {
+        /* The rows the flags published (generic writes) are read by bulk copies (the async
+         * proxy), into shared memory this block's threads used before. */
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        epx_bulk_fence_shared();
+    }
     __syncthreads();
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_READY);
 
     for (int64_t b0 = t0; b0 < t1; b0 += tc) {
         const int n = (int)min((int64_t)tc, t1 - b0);
         if (b0 != t0)
             load_routing(s, op, m, b0, n);
         compact_routing(s, m, n);
-        reduce_batch(s, op, m, b0, n, stages);
+        if (kLoads == 2)
+            reduce_batch_loads<2>(s, op, m, b0, n);
+        else if (kLoads == 3)
+            reduce_batch_loads<1>(s, op, m, b0, n);
+        else if (kLoads == 4)
+            reduce_batch_bulk(s, op, m, b0, n, stages, bars, bulk_item);
+        else
+            reduce_batch(s, op, m, b0, n, stages);
         __syncthreads();
     }
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_REDUCED);
 
     if (!epx_ll2_last_block(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
         return;
@@ -343,6 +542,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     }
     if (fused && threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_DONE);
 }
 
 } // namespace
@@ -353,6 +553,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
  */
 namespace epx {
 namespace ll2 {
+template <int kLoads>
 __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_ll_op_t op, int run,
                                                           int stages)
 {
@@ -363,20 +564,36 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
         combine_send(s, op, seq, fused);
         if (fused) {
             __syncthreads();
-            combine_recv(s, op, seq, 1, stages);
+            combine_recv<kLoads>(s, op, seq, 1, stages);
         }
     } else {
-        combine_recv(s, op, epx_ll_seq(s, op.slot, 1), 0, stages);
+        combine_recv<kLoads>(s, op, epx_ll_seq(s, op.slot, 1), 0, stages);
     }
 }
 } // namespace ll2
 } // namespace epx
 
 /*
- * The combine receive's copy stages: as many (up to 3) as the device's shared memory per
- * block holds beside the kernel's static shared memory, and the attribute that lets the
- * kernel use it (process-wide: set to the most the device allows, so that no buffer's
- * launch needs more than another buffer set).
+ * The kernel for a receive's loads (shape.combine_recv, EPX_LL_COMBINE_RECV): 1 cp.async
+ * stages, 2 registers with two units a warp in flight, 3 registers with one, 4 bulk copies.
+ * Each its own kernel, so that each gets its own register allocation.
+ */
+static void (*combine_kernel(int recv))(epx_ll_shape_t, epx_ll_op_t, int, int)
+{
+    switch (recv) {
+    case 2: return epx::ll2::combine<2>;
+    case 3: return epx::ll2::combine<3>;
+    case 4: return epx::ll2::combine<4>;
+    default: return epx::ll2::combine<1>;
+    }
+}
+
+/*
+ * The combine receive's copy stages: none for loads into registers (combine_recv 2, 3),
+ * else as many (up to EPX_LL2_MAX_STAGES)
+ * as the device's shared memory per block holds beside the kernel's static shared memory;
+ * and the attribute that lets the kernel use it (process-wide: set to the most the device
+ * allows, so that no buffer's launch needs more than another buffer set).
  */
 extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
 {
@@ -386,19 +603,20 @@ extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
     if (err == cudaSuccess)
         err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
     if (err == cudaSuccess)
-        err = cudaFuncGetAttributes(&attributes, epx::ll2::combine);
+        err = cudaFuncGetAttributes(&attributes, combine_kernel(s->combine_recv));
     if (err != cudaSuccess)
         return (int)err;
     const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
     const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
-    s->stages = 3;
+    /* Loads into registers (EPX_LL_COMBINE_RECV 2, 3): no stages. */
+    s->stages = (s->combine_recv == 2 || s->combine_recv == 3) ? 0 : EPX_LL2_MAX_STAGES;
     while (s->stages > 1 &&
            epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
         s->stages--;
     if (epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
         return (int)cudaErrorInvalidValue;
-    return (int)cudaFuncSetAttribute(epx::ll2::combine, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     (int)dynamic);
+    return (int)cudaFuncSetAttribute(combine_kernel(s->combine_recv),
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, (int)dynamic);
 }
 
 extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t *op, int run,
@@ -409,7 +627,7 @@ extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t
     const int moves = s->use_puts || (const char *)op->x != own + s->combine_in;
     /* A send alone that moves no row is one block's work (flags). */
     const int blocks = (run == EPX_LL_RUN_SEND && !moves) ? 1 : s->blocks;
-    epx::ll2::combine<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run,
-                                                                              s->stages);
+    combine_kernel(s->combine_recv)<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run,
+                                                                                      s->stages);
     return (int)cudaGetLastError();
 }

@@ -97,6 +97,25 @@ __device__ __forceinline__ int64_t epx_ll2_tag_value(const epx_ll_shape_t &s, co
     return epx_ll2_wait_tag_slow(word, tag, s.mask, s.world, peer, s.fail, s.timeout_ns, stage);
 }
 
+/* ---------------------------------------------------------------- phase trace */
+
+/*
+ * Thread 0 of this block records the global timer for event `ev` of operation (seq, slot)
+ * of `kind` (ll_plugin.h, EPX_LL_TRACE_*); nothing when the trace is off. Block 0 also
+ * records which operation the times belong to.
+ */
+__device__ __forceinline__ void epx_ll2_trace(const epx_ll_shape_t &s, int kind, int slot,
+                                              uint64_t seq, int ev)
+{
+    if (s.trace == NULL || threadIdx.x != 0)
+        return;
+    const uint64_t id = seq * 2 + (uint64_t)slot;
+    const size_t call = (size_t)(id % EPX_LL_TRACE_CALLS) * 2 + (size_t)kind;
+    s.trace[(call * (size_t)s.blocks + blockIdx.x) * EPX_LL_TRACE_EVENTS + ev] = epx_globaltimer();
+    if (blockIdx.x == 0)
+        s.trace[(size_t)EPX_LL_TRACE_CALLS * 2 * (size_t)s.blocks * EPX_LL_TRACE_EVENTS + call] = id + 1;
+}
+
 /* ---------------------------------------------------------------- counters */
 
 /* Add `v` to a counter at system scope, after everything this thread has observed. */

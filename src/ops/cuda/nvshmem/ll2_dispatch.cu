@@ -276,6 +276,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     c.t1 = min(c.T, c.t0 + per);
     const send_smem_t m = send_smem(smem, c.E, c.k, c.R);
     const int R = c.R, k = c.k, L = c.L, E = c.E, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_START);
 
     /* The block's first rows into L2 while the handshakes below run. */
     {
@@ -322,6 +323,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         epx_ll_give_back(s, c.slot, seq - 1);
     epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH_DONE, c.slot, seq - 1, EPX_LL_STAGE_DISPATCH_RELEASE,
                       m.ok);
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_RELEASED);
 
     /* 2. Counts: all tokens, and those before this block's range. */
     for (int64_t i = threadIdx.x; i < c.T * k; i += blockDim.x) {
@@ -357,6 +359,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
             sent_rows[r] = m.ok[r] ? m.rows_to[r] : 0;
     }
 
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_PUBLISHED);
     /* 3. base[e]: the lower ranks' counts, each (rank, expert) word loaded by one thread,
      * four loads in flight before any is checked. A masked rank counts for nothing. */
     wait_put_counts(s, c.slot, seq, c.me);
@@ -386,6 +389,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         }
     }
     __syncthreads();
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_BASE);
 
     /* 4. Chunks of the block's tokens. */
     int32_t *send_pos = reinterpret_cast<int32_t *>(s.local[c.slot] + s.send_pos);
@@ -448,6 +452,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         __syncthreads();
     }
 
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_STORED);
     /* 5. This block's rows to each direct receiver are there (ll2_device.cuh: the barrier
      * above, then a release reduction, cumulative over the block's stores). */
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -457,8 +462,10 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
                 reinterpret_cast<uint64_t *>(peer + c.slot_base + s.arrival) + c.me,
                 (uint64_t)m.rows_block[r]);
     }
-    if (!epx_ll2_last_block(s.arrive + c.slot * 4 + EPX_LL_ARRIVE_DISPATCH_SEND, &last))
+    if (!epx_ll2_last_block(s.arrive + c.slot * 4 + EPX_LL_ARRIVE_DISPATCH_SEND, &last)) {
+        epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_SENT);
         return;
+    }
     /* Every block has read the sequence number (each counted above after reading it). */
     if (threadIdx.x == 0)
         s.seq[c.slot * 2] = seq;
@@ -468,6 +475,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         __syncthreads();
         put_batches(s, c, m);
     }
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_SENT);
 }
 
 /* The receive part's shared memory (int32, from the start). */
@@ -535,6 +543,7 @@ __device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         }
     }
     __syncthreads();
+    epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, slot, seq, EPX_LL_TR_D_COUNTS);
     /* Source order within each expert; a failed source has no rows. */
     for (int e = threadIdx.x; e < L; e += blockDim.x) {
         int32_t pos = 0;
@@ -581,6 +590,10 @@ __device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         const uint64_t target = s.arrived[slot * R + src] + (uint64_t)(uint32_t)m.units[src];
         if (epx_ll2_wait_count(s, arrival + src, target, src, EPX_LL_STAGE_DISPATCH))
             s.arrived[slot * R + src] = target;
+    }
+    if (s.trace != NULL) { /* uniform in the block */
+        __syncthreads();
+        epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, slot, seq, EPX_LL_TR_D_ARRIVED);
     }
 }
 
