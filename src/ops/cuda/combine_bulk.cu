@@ -48,14 +48,6 @@ __device__ __forceinline__ int32_t *epx_sources(char *route)
     return reinterpret_cast<int32_t *>(route + 16);
 }
 
-__device__ __forceinline__ void epx_combine_load_route(const epx__cuda_combine_args_t &a, int R,
-                                                       int64_t t, int lane, int32_t *first,
-                                                       int32_t *second)
-{
-    *first = lane < R ? a.send_row[t * R + lane] : -1;
-    *second = lane + 32 < R ? a.send_row[t * R + lane + 32] : -1;
-}
-
 /*
  * Whole warp: the sources of piece `piece` of token t in rank order (rows past a rank's
  * x are recorded once per token and skipped, as in combine.cu), then lane 0 arms `bar`
@@ -163,12 +155,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     char *slots = ring + static_cast<int64_t>(warp) * S * g.slot_bytes;
     char *routes = ring + static_cast<int64_t>(EPX_BULK_PIPES) * S * g.slot_bytes +
                    static_cast<int64_t>(warp) * S * g.route_bytes;
-    if (lane == 0) {
-        for (int i = 0; i < S; i++)
-            epx_mbar_init(&bar[i], 1);
-        epx_mbar_init_fence();
-    }
-    __syncthreads();
+    epx_bulk_ring_init(bar, S);
 
     const int64_t first = static_cast<int64_t>(blockIdx.x) * EPX_BULK_PIPES + warp;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * EPX_BULK_PIPES;
@@ -180,14 +167,13 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     int32_t next_first = -1, next_second = -1;
     for (int64_t i = 0; i < items && i < S; i++) {
         const int64_t t = first + (i / g.chunks) * stride;
-        epx_combine_load_route(a, R, t, lane, &next_first, &next_second);
+        epx_bulk_load_route(a, R, t, lane, &next_first, &next_second);
         epx_combine_issue(s, g, x_base, x_stride, x_rows, t, static_cast<int>(i % g.chunks),
                           next_first, next_second, routes + i * g.route_bytes,
                           slots + i * g.slot_bytes, &bar[i], lane);
     }
     if (S < items)
-        epx_combine_load_route(a, R, first + (S / g.chunks) * stride, lane, &next_first,
-                               &next_second);
+        epx_bulk_load_route(a, R, first + (S / g.chunks) * stride, lane, &next_first, &next_second);
 
     for (int64_t i = 0; i < items; i++) {
         const int slot_index = static_cast<int>(i % S);
@@ -278,8 +264,8 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
                               static_cast<int>(refill % g.chunks), next_first, next_second,
                               route, slots + slot_index * g.slot_bytes, &bar[slot_index], lane);
             if (refill + 1 < items)
-                epx_combine_load_route(a, R, first + ((refill + 1) / g.chunks) * stride, lane,
-                                       &next_first, &next_second);
+                epx_bulk_load_route(a, R, first + ((refill + 1) / g.chunks) * stride, lane,
+                                    &next_first, &next_second);
         }
     }
 
@@ -302,7 +288,7 @@ extern "C" cudaError_t epx__cuda_launch_combine_bulk(const epx__cuda_shape_t *sh
         reinterpret_cast<const void *>(epx_combine_bulk_kernel), 0, &budget);
     if (err != cudaSuccess)
         return err;
-    epx_combine_ring_t g;
+    epx_combine_ring_t g = {};
     g.route_bytes = epx_bulk_round_up(16 + 8 * R, 16);
     /* Aim at four slots per warp, in pieces that cut the row evenly. */
     const int64_t per_warp = budget / EPX_BULK_PIPES;
@@ -315,21 +301,5 @@ extern "C" cudaError_t epx__cuda_launch_combine_bulk(const epx__cuda_shape_t *sh
     g.chunks = static_cast<int>(chunks);
     g.chunk_bytes = epx_bulk_round_up((row_bytes + chunks - 1) / chunks, 16);
     g.slot_bytes = epx_bulk_round_up(R * g.chunk_bytes, 128);
-    int64_t stages = per_warp / (g.slot_bytes + g.route_bytes);
-    if (stages > EPX_BULK_MAX_STAGES)
-        stages = EPX_BULK_MAX_STAGES;
-    if (stages < 2)
-        return cudaSuccess;
-    g.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = EPX_BULK_PIPES * stages * (g.slot_bytes + g.route_bytes);
-    err = cudaFuncSetAttribute(reinterpret_cast<const void *>(epx_combine_bulk_kernel),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(ring_bytes));
-    if (err != cudaSuccess)
-        return err;
-    const int blocks = epx_bulk_blocks(args->num_tokens, args->num_sms);
-    epx_combine_bulk_kernel<<<blocks, EPX_BULK_PIPES * 32, static_cast<size_t>(ring_bytes),
-                              stream>>>(*shape, *args, g);
-    *launched = 1;
-    return cudaGetLastError();
+    return epx_bulk_launch(epx_combine_bulk_kernel, shape, args, g, budget, stream, launched);
 }
