@@ -23,6 +23,7 @@
  * slots does not fit.
  */
 #include "bulk.cuh"
+#include "reduce.cuh"
 #include "signal.cuh"
 
 /* 16-byte vectors of one item per lane, at most: pieces of up to 32 x 16 x 4 bytes. */
@@ -108,16 +109,6 @@ __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
         }
     }
     __syncwarp();
-}
-
-__device__ __forceinline__ void epx_add_bf16x8(float *acc, int4 v)
-{
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        acc[2 * e] += epx_bf16_lo(w[e]);
-        acc[2 * e + 1] += epx_bf16_hi(w[e]);
-    }
 }
 
 __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
@@ -210,12 +201,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
             if (a.bias[b] == NULL)
                 continue;
             const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b] + offset;
-#pragma unroll
-            for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++) {
-                const int64_t unit = static_cast<int64_t>(u) * 32 + lane;
-                if (unit < units)
-                    epx_add_bf16x8(acc[u], epx_ld16(bias + unit * 16, a.bias_align[b]));
-            }
+            epx_add_row<EPX_COMBINE_BULK_UNITS>(acc, bias, a.bias_align[b], 0, units, lane);
         }
         /* Sources in rank order, one add each: the reference's summation order. */
         for (int j = 0; j < n; j++) {
@@ -229,18 +215,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
             }
         }
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride + offset;
-#pragma unroll
-        for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++) {
-            const int64_t unit = static_cast<int64_t>(u) * 32 + lane;
-            if (unit < units) {
-                int4 packed;
-                packed.x = static_cast<int>(epx_pack_bf16(acc[u][0], acc[u][1]));
-                packed.y = static_cast<int>(epx_pack_bf16(acc[u][2], acc[u][3]));
-                packed.z = static_cast<int>(epx_pack_bf16(acc[u][4], acc[u][5]));
-                packed.w = static_cast<int>(epx_pack_bf16(acc[u][6], acc[u][7]));
-                epx_st16(out + unit * 16, packed, a.out_align);
-            }
-        }
+        epx_store_sums<EPX_COMBINE_BULK_UNITS>(out, a.out_align, acc, 0, units, lane);
         if (a.has_weights && piece == 0) {
             for (int k = lane; k < K; k += 32) {
                 float sum = 0.0f;

@@ -9,66 +9,30 @@
 #define EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
 
 #include "ops/cuda/nvshmem/xn_device.cuh"
+#include "ops/cuda/reduce.cuh"
 
 #define EPX_XN_COMBINE_UNROLL 2
 
 #define EPX_XN_COMBINE_GROUP 4
 
 /*
- * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane; kGroup sources
- * x kUnroll vectors of loads in flight per lane. `fresh` sources (written by a peer's
- * put during this kernel) are read through L2 only.
+ * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane (reduce.cuh, as
+ * the combine of one node adds them). `fresh` sources (written by a peer's put during
+ * this kernel) are read through L2 only.
  */
 __device__ __forceinline__ void epx_xn_accumulate(const char *const *src, int n, int64_t i0,
                                                   int64_t units, int fresh,
                                                   float (&acc)[EPX_XN_COMBINE_UNROLL][8])
 {
-    const int lane = epx_lane();
-    const int kUnroll = EPX_XN_COMBINE_UNROLL, kGroup = EPX_XN_COMBINE_GROUP;
-    for (int j0 = 0; j0 < n; j0 += kGroup) {
-        int4 v[kGroup][kUnroll];
-#pragma unroll
-        for (int g = 0; g < kGroup; g++)
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                int64_t i = i0 + u * 32 + lane;
-                if (j0 + g < n && i < units)
-                    v[g][u] = fresh ? __ldcg(reinterpret_cast<const int4 *>(src[j0 + g]) + i)
-                                    : epx_ld_nc_v4(src[j0 + g] + i * 16);
-            }
-#pragma unroll
-        for (int g = 0; g < kGroup; g++) {
-            if (j0 + g >= n)
-                break;
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc[u][2 * e] += epx_bf16_lo(w[e]);
-                    acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
-                }
-            }
-        }
-    }
+    epx_add_rows<EPX_XN_COMBINE_UNROLL, EPX_XN_COMBINE_GROUP>(acc, src, n, i0, units, epx_lane(),
+                                                               fresh);
 }
 
-__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0, int64_t units,
+__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0,
+                                                 int64_t units,
                                                  const float (&acc)[EPX_XN_COMBINE_UNROLL][8])
 {
-    const int lane = epx_lane();
-#pragma unroll
-    for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++) {
-        int64_t i = i0 + u * 32 + lane;
-        if (i < units) {
-            int4 packed;
-            packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
-            packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
-            packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
-            packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
-            epx_st16(out + i * 16, packed, out_align);
-        }
-    }
+    epx_store_sums<EPX_XN_COMBINE_UNROLL>(out, out_align, acc, i0, units, epx_lane());
 }
 
 /* sum += the K weights of each source, in order (lanes split K). */
