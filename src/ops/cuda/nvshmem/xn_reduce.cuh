@@ -1,9 +1,13 @@
 /*
  * The reductions of the internode combine, shared by its two kernels (xn_combine.cu:
  * worst-case slots; xn_ring_combine.cu: rings with credits): the loads and fp32 sums of
- * bf16 rows in a fixed order, this node's rows of an item, the partial sum of a record
- * this rank forwarded, and the final sum of an own token in node order (docs/INTERNODE.md
- * defines the order; the CPU backend and the oracle use it too).
+ * bf16 rows in a fixed order (over reduce.cuh, as the single-node combine), this node's
+ * rows of an item, the partial sum of a record this rank forwarded, the other nodes'
+ * partial sums of an own token, and its final sum in node order (docs/INTERNODE.md
+ * defines the order; the CPU backend and the oracle use it too). Also the kernels' common
+ * start: where this node's ranks published their x, and where each node's records begin.
+ * What differs between the kernels stays in them: where partial sums are staged, how a
+ * sender waits for room, and how a home rank learns that they landed.
  */
 #ifndef EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
 #define EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
@@ -73,6 +77,81 @@ __device__ __forceinline__ int epx_xn_local_sources(const epx__cuda_shape_t &s, 
     return __popc(ballot);
 }
 
+/* Where this node's ranks published their x (the ready kernel), per local rank. */
+typedef struct {
+    const char *const *base;
+    const int64_t *stride;
+    const int64_t *rows;
+} epx_xn_sources_t;
+
+/*
+ * Whole block, at the start of both combine kernels: where each rank of this node
+ * published its x (the ready kernel), by local rank, and first_record[node] = the index of
+ * node's first record this rank forwarded in the dispatch, in node order (first_record[N]
+ * = how many). Ends with __syncthreads.
+ */
+__device__ __forceinline__ void epx_xn_combine_setup(const epx__cuda_shape_t &s,
+                                                     const epx__cuda_combine_args_t &a,
+                                                     const char **x_base, int64_t *x_stride,
+                                                     int64_t *x_rows, int32_t *first_record)
+{
+    const int N = s.num_nodes, P = s.ranks_per_node;
+    const int me = s.rank, first_local = epx_xn_node(s, me) * P;
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
+        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
+        x_stride[p] = slot->ready_stride;
+        x_rows[p] = slot->ready_rows;
+    }
+    if (threadIdx.x == 0) {
+        int32_t total = 0;
+        for (int node = 0; node < N; node++) {
+            first_record[node] = total;
+            total += a.xn.node_in[node];
+        }
+        first_record[N] = total;
+    }
+    __syncthreads();
+}
+
+/* Forwarded record q: its node, and (*j) its index among that node's records. */
+__device__ __forceinline__ int epx_xn_record_node(const int32_t *first_record, int64_t q,
+                                                  int64_t *j)
+{
+    int node = 0;
+    while (q >= first_record[node + 1])
+        node++;
+    *j = q - first_record[node];
+    return node;
+}
+
+/*
+ * Lanes = nodes (`other`): when node other sent a partial sum of this token (pos >= 0; its
+ * slot is pos & ring_mask of the node's per_node slots in partial_in, ring_mask = C - 1
+ * with rings of C, -1 without), append it to remote_row and remote_weights in node order.
+ * Counts the sums in *n_remote, those of nodes before this one (my_node) in *before.
+ */
+__device__ __forceinline__ void epx_xn_add_remote(const epx__cuda_shape_t &s, int my_node,
+                                                  const char *partial_in, int64_t per_node,
+                                                  int64_t ring_mask, int other, int32_t pos,
+                                                  const char **remote_row,
+                                                  const float **remote_weights, int *before,
+                                                  int *n_remote)
+{
+    const int lane = epx_lane();
+    const unsigned lanes_below = (1u << lane) - 1u;
+    unsigned has = __ballot_sync(0xffffffffu, pos >= 0);
+    if (pos >= 0) {
+        int at = *n_remote + __popc(has & lanes_below);
+        const char *slot =
+            partial_in + ((int64_t)other * per_node + (pos & ring_mask)) * s.xn_partial_pitch;
+        remote_row[at] = slot;
+        remote_weights[at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
+    }
+    *before += __popc(__ballot_sync(0xffffffffu, pos >= 0 && other < my_node));
+    *n_remote += __popc(has);
+}
+
 #define EPX_XN_MAX_K_PER_LANE 8 /* top-k up to 256 */
 
 /*
@@ -99,6 +178,26 @@ __device__ __forceinline__ void epx_xn_partial_write(const epx__cuda_shape_t &s,
         for (int k = epx_lane(), i = 0; k < K; k += 32, i++)
             reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
     }
+}
+
+/*
+ * Whole warp: the partial sum of record j this rank forwarded for node `node` (over this
+ * node's rows of it), written to `out`, its partial-sum slot.
+ */
+__device__ __forceinline__ void epx_xn_record_partial(const epx__cuda_shape_t &s,
+                                                      const epx__cuda_combine_args_t &a,
+                                                      const epx_xn_sources_t &x, int node,
+                                                      int64_t j, char *out,
+                                                      const char **local_row,
+                                                      const float **local_weights)
+{
+    const int32_t *rows =
+        a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * s.ranks_per_node;
+    int n_local =
+        epx_xn_local_sources(s, rows, x.base, x.stride, x.rows, local_row, local_weights);
+    __syncwarp();
+    epx_xn_partial_write(s, a, out, local_row, local_weights, n_local);
+    __syncwarp();
 }
 
 /*
