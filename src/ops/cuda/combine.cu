@@ -113,19 +113,9 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride;
         for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++)
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    acc[u][e] = 0.0f;
             /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
-            for (int b = 0; b < 2; b++) {
-                if (a.bias[b] != NULL) {
-                    const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b];
-                    epx_add_row<kUnroll>(acc, bias, a.bias_align[b], i0, units, lane);
-                }
-            }
+            float acc[kUnroll][8];
+            epx_start_sums<kUnroll>(acc, a, t, 0, i0, units, lane);
             /* Sources in rank order, one add each: the reference's summation order. */
             epx_add_rows<kUnroll, kGroup>(acc, src_row[warp], n, i0, units, lane, 0);
             epx_store_sums<kUnroll>(out, a.out_align, acc, i0, units, lane);

@@ -190,19 +190,9 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         const int n = *epx_sources_count(route);
         const int32_t *sources = epx_sources(route);
 
-        float acc[EPX_COMBINE_BULK_UNITS][8];
-#pragma unroll
-        for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++)
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-                acc[u][e] = 0.0f;
         /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
-        for (int b = 0; b < 2; b++) {
-            if (a.bias[b] == NULL)
-                continue;
-            const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b] + offset;
-            epx_add_row<EPX_COMBINE_BULK_UNITS>(acc, bias, a.bias_align[b], 0, units, lane);
-        }
+        float acc[EPX_COMBINE_BULK_UNITS][8];
+        epx_start_sums<EPX_COMBINE_BULK_UNITS>(acc, a, t, offset, 0, units, lane);
         /* Sources in rank order, one add each: the reference's summation order. */
         for (int j = 0; j < n; j++) {
             const char *piece_of_j = slot + static_cast<int64_t>(j) * g.chunk_bytes;

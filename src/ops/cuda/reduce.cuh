@@ -18,6 +18,7 @@
 #include <stdint.h>
 
 #include "device.cuh"
+#include "launch.h"
 
 /* acc[0..8) += the eight bf16 values of v. */
 __device__ __forceinline__ void epx_add_bf16x8(float *acc, int4 v)
@@ -40,6 +41,30 @@ __device__ __forceinline__ void epx_add_row(float (&acc)[kUnroll][8], const char
         int64_t i = i0 + u * 32 + lane;
         if (i < units)
             epx_add_bf16x8(acc[u], epx_ld16(row + i * 16, align));
+    }
+}
+
+/*
+ * The start of token t's sums from byte `offset` of its row: 0, plus the caller's bias
+ * rows when given (DeepEP's bias_0 + bias_1, added before the rows).
+ */
+template <int kUnroll>
+__device__ __forceinline__ void epx_start_sums(float (&acc)[kUnroll][8],
+                                               const epx__cuda_combine_args_t &a, int64_t t,
+                                               int64_t offset, int64_t i0, int64_t units,
+                                               int lane)
+{
+#pragma unroll
+    for (int u = 0; u < kUnroll; u++)
+#pragma unroll
+        for (int e = 0; e < 8; e++)
+            acc[u][e] = 0.0f;
+    for (int b = 0; b < 2; b++) {
+        if (a.bias[b] != NULL) {
+            const char *bias =
+                static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b] + offset;
+            epx_add_row<kUnroll>(acc, bias, a.bias_align[b], i0, units, lane);
+        }
     }
 }
 
