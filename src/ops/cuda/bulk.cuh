@@ -24,6 +24,7 @@
 #include <cuda_runtime_api.h>
 
 #include "device.cuh"
+#include "launch.h"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #error "the bulk-copy kernels need sm_90 (CMAKE_CUDA_ARCHITECTURES 90)"
@@ -151,6 +152,33 @@ __device__ __forceinline__ void epx_bulk_fence_shared(void)
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+/* ---------------------------------------------------------------- rings */
+
+/*
+ * Whole block, at the start of a ring kernel, once each warp has its part of the ring:
+ * lane 0 of each warp initialises the barriers of its `stages` slots. Ends with
+ * __syncthreads, which also publishes the shared memory the block wrote before.
+ */
+__device__ __forceinline__ void epx_bulk_ring_init(uint64_t *bar, int stages)
+{
+    if (epx_lane() == 0) {
+        for (int i = 0; i < stages; i++)
+            epx_mbar_init(&bar[i], 1);
+        epx_mbar_init_fence();
+    }
+    __syncthreads();
+}
+
+/* a.send_row of token t at ranks `lane` and `lane + 32` (-1 past the last rank); `a` is
+ * the kernel's dispatch or combine arguments. */
+template <typename Args>
+__device__ __forceinline__ void epx_bulk_load_route(const Args &a, int R, int64_t t, int lane,
+                                                    int32_t *first, int32_t *second)
+{
+    *first = lane < R ? a.send_row[t * R + lane] : -1;
+    *second = lane + 32 < R ? a.send_row[t * R + lane + 32] : -1;
+}
+
 /* ---------------------------------------------------------------- launchers */
 
 /*
@@ -189,6 +217,39 @@ static inline int epx_bulk_blocks(int64_t items, int num_sms)
 static inline int64_t epx_bulk_round_up(int64_t value, int64_t multiple)
 {
     return (value + multiple - 1) / multiple * multiple;
+}
+
+/*
+ * The end of a ring kernel's launcher (dispatch_bulk.cu, combine_bulk.cu): as many
+ * stages of one warp's slot and routing (ring.slot_bytes + ring.route_bytes) as a warp's
+ * share of `budget` (epx_bulk_ring_budget) holds, at most EPX_BULK_MAX_STAGES; the kernel
+ * allowed that much dynamic shared memory; one launch of epx_bulk_blocks blocks over
+ * args->num_tokens. When fewer than two stages fit, nothing is launched and *launched
+ * stays 0: the caller runs its vector kernel instead.
+ */
+template <typename Args, typename Ring>
+static inline cudaError_t epx_bulk_launch(void (*kernel)(epx__cuda_shape_t, Args, Ring),
+                                          const epx__cuda_shape_t *shape, const Args *args,
+                                          Ring ring, int64_t budget, cudaStream_t stream,
+                                          int *launched)
+{
+    const int64_t stage_bytes = ring.slot_bytes + ring.route_bytes;
+    int64_t stages = budget / EPX_BULK_PIPES / stage_bytes;
+    if (stages > EPX_BULK_MAX_STAGES)
+        stages = EPX_BULK_MAX_STAGES;
+    if (stages < 2)
+        return cudaSuccess;
+    ring.stages = static_cast<int>(stages);
+    const int64_t ring_bytes = EPX_BULK_PIPES * stages * stage_bytes;
+    cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel),
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(ring_bytes));
+    if (err != cudaSuccess)
+        return err;
+    kernel<<<epx_bulk_blocks(args->num_tokens, args->num_sms), EPX_BULK_PIPES * 32,
+             static_cast<size_t>(ring_bytes), stream>>>(*shape, *args, ring);
+    *launched = 1;
+    return cudaGetLastError();
 }
 
 #endif /* EPX_OPS_CUDA_BULK_CUH */

@@ -29,6 +29,7 @@
  * Buffer use: reads only; the row of a token at rank r is send_row[t][r] < rows of r's
  * x (checked; a short x is an error naming the rank, never an out-of-bounds read).
  */
+#include "reduce.cuh"
 #include "signal.cuh"
 
 #define EPX_COMBINE_WARPS (EPX_CUDA_THREADS / 32)
@@ -112,66 +113,12 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride;
         for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++)
-#pragma unroll
-                for (int e = 0; e < 8; e++)
-                    acc[u][e] = 0.0f;
             /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
-            for (int b = 0; b < 2; b++) {
-                if (a.bias[b] != NULL) {
-                    const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b];
-#pragma unroll
-                    for (int u = 0; u < kUnroll; u++) {
-                        int64_t i = i0 + u * 32 + lane;
-                        if (i < units) {
-                            int4 v = epx_ld16(bias + i * 16, a.bias_align[b]);
-                            const uint32_t *w = reinterpret_cast<const uint32_t *>(&v);
-#pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                acc[u][2 * e] += epx_bf16_lo(w[e]);
-                                acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
-                            }
-                        }
-                    }
-                }
-            }
-            for (int j0 = 0; j0 < n; j0 += kGroup) {
-                int4 v[kGroup][kUnroll];
-#pragma unroll
-                for (int g = 0; g < kGroup; g++)
-                    if (j0 + g < n)
-                        epx_ld16_batch<kUnroll>(v[g], src_row[warp][j0 + g], i0, units, lane,
-                                                16);
-                /* Sources in rank order, one add each: the reference's summation order. */
-#pragma unroll
-                for (int g = 0; g < kGroup; g++) {
-                    if (j0 + g >= n)
-                        break;
-#pragma unroll
-                    for (int u = 0; u < kUnroll; u++) {
-                        const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
-#pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            acc[u][2 * e] += epx_bf16_lo(w[e]);
-                            acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
-                        }
-                    }
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                int64_t i = i0 + u * 32 + lane;
-                if (i < units) {
-                    int4 packed;
-                    packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
-                    packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
-                    packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
-                    packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
-                    epx_st16(out + i * 16, packed, a.out_align);
-                }
-            }
+            float acc[kUnroll][8];
+            epx_start_sums<kUnroll>(acc, a, t, 0, i0, units, lane);
+            /* Sources in rank order, one add each: the reference's summation order. */
+            epx_add_rows<kUnroll, kGroup>(acc, src_row[warp], n, i0, units, lane, 0);
+            epx_store_sums<kUnroll>(out, a.out_align, acc, i0, units, lane);
         }
 
         if (a.has_weights) {

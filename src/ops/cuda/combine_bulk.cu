@@ -23,6 +23,7 @@
  * slots does not fit.
  */
 #include "bulk.cuh"
+#include "reduce.cuh"
 #include "signal.cuh"
 
 /* 16-byte vectors of one item per lane, at most: pieces of up to 32 x 16 x 4 bytes. */
@@ -46,14 +47,6 @@ __device__ __forceinline__ int32_t *epx_sources_count(char *route)
 __device__ __forceinline__ int32_t *epx_sources(char *route)
 {
     return reinterpret_cast<int32_t *>(route + 16);
-}
-
-__device__ __forceinline__ void epx_combine_load_route(const epx__cuda_combine_args_t &a, int R,
-                                                       int64_t t, int lane, int32_t *first,
-                                                       int32_t *second)
-{
-    *first = lane < R ? a.send_row[t * R + lane] : -1;
-    *second = lane + 32 < R ? a.send_row[t * R + lane + 32] : -1;
 }
 
 /*
@@ -118,16 +111,6 @@ __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
     __syncwarp();
 }
 
-__device__ __forceinline__ void epx_add_bf16x8(float *acc, int4 v)
-{
-    const uint32_t *w = reinterpret_cast<const uint32_t *>(&v);
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-        acc[2 * e] += epx_bf16_lo(w[e]);
-        acc[2 * e + 1] += epx_bf16_hi(w[e]);
-    }
-}
-
 __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     epx_combine_bulk_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a,
                             epx_combine_ring_t g)
@@ -163,12 +146,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     char *slots = ring + static_cast<int64_t>(warp) * S * g.slot_bytes;
     char *routes = ring + static_cast<int64_t>(EPX_BULK_PIPES) * S * g.slot_bytes +
                    static_cast<int64_t>(warp) * S * g.route_bytes;
-    if (lane == 0) {
-        for (int i = 0; i < S; i++)
-            epx_mbar_init(&bar[i], 1);
-        epx_mbar_init_fence();
-    }
-    __syncthreads();
+    epx_bulk_ring_init(bar, S);
 
     const int64_t first = static_cast<int64_t>(blockIdx.x) * EPX_BULK_PIPES + warp;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * EPX_BULK_PIPES;
@@ -180,14 +158,13 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     int32_t next_first = -1, next_second = -1;
     for (int64_t i = 0; i < items && i < S; i++) {
         const int64_t t = first + (i / g.chunks) * stride;
-        epx_combine_load_route(a, R, t, lane, &next_first, &next_second);
+        epx_bulk_load_route(a, R, t, lane, &next_first, &next_second);
         epx_combine_issue(s, g, x_base, x_stride, x_rows, t, static_cast<int>(i % g.chunks),
                           next_first, next_second, routes + i * g.route_bytes,
                           slots + i * g.slot_bytes, &bar[i], lane);
     }
     if (S < items)
-        epx_combine_load_route(a, R, first + (S / g.chunks) * stride, lane, &next_first,
-                               &next_second);
+        epx_bulk_load_route(a, R, first + (S / g.chunks) * stride, lane, &next_first, &next_second);
 
     for (int64_t i = 0; i < items; i++) {
         const int slot_index = static_cast<int>(i % S);
@@ -213,24 +190,9 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         const int n = *epx_sources_count(route);
         const int32_t *sources = epx_sources(route);
 
-        float acc[EPX_COMBINE_BULK_UNITS][8];
-#pragma unroll
-        for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++)
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-                acc[u][e] = 0.0f;
         /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
-        for (int b = 0; b < 2; b++) {
-            if (a.bias[b] == NULL)
-                continue;
-            const char *bias = static_cast<const char *>(a.bias[b]) + t * a.bias_stride[b] + offset;
-#pragma unroll
-            for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++) {
-                const int64_t unit = static_cast<int64_t>(u) * 32 + lane;
-                if (unit < units)
-                    epx_add_bf16x8(acc[u], epx_ld16(bias + unit * 16, a.bias_align[b]));
-            }
-        }
+        float acc[EPX_COMBINE_BULK_UNITS][8];
+        epx_start_sums<EPX_COMBINE_BULK_UNITS>(acc, a, t, offset, 0, units, lane);
         /* Sources in rank order, one add each: the reference's summation order. */
         for (int j = 0; j < n; j++) {
             const char *piece_of_j = slot + static_cast<int64_t>(j) * g.chunk_bytes;
@@ -243,18 +205,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
             }
         }
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride + offset;
-#pragma unroll
-        for (int u = 0; u < EPX_COMBINE_BULK_UNITS; u++) {
-            const int64_t unit = static_cast<int64_t>(u) * 32 + lane;
-            if (unit < units) {
-                int4 packed;
-                packed.x = static_cast<int>(epx_pack_bf16(acc[u][0], acc[u][1]));
-                packed.y = static_cast<int>(epx_pack_bf16(acc[u][2], acc[u][3]));
-                packed.z = static_cast<int>(epx_pack_bf16(acc[u][4], acc[u][5]));
-                packed.w = static_cast<int>(epx_pack_bf16(acc[u][6], acc[u][7]));
-                epx_st16(out + unit * 16, packed, a.out_align);
-            }
-        }
+        epx_store_sums<EPX_COMBINE_BULK_UNITS>(out, a.out_align, acc, 0, units, lane);
         if (a.has_weights && piece == 0) {
             for (int k = lane; k < K; k += 32) {
                 float sum = 0.0f;
@@ -278,8 +229,8 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
                               static_cast<int>(refill % g.chunks), next_first, next_second,
                               route, slots + slot_index * g.slot_bytes, &bar[slot_index], lane);
             if (refill + 1 < items)
-                epx_combine_load_route(a, R, first + ((refill + 1) / g.chunks) * stride, lane,
-                                       &next_first, &next_second);
+                epx_bulk_load_route(a, R, first + ((refill + 1) / g.chunks) * stride, lane,
+                                    &next_first, &next_second);
         }
     }
 
@@ -302,7 +253,7 @@ extern "C" cudaError_t epx__cuda_launch_combine_bulk(const epx__cuda_shape_t *sh
         reinterpret_cast<const void *>(epx_combine_bulk_kernel), 0, &budget);
     if (err != cudaSuccess)
         return err;
-    epx_combine_ring_t g;
+    epx_combine_ring_t g = {};
     g.route_bytes = epx_bulk_round_up(16 + 8 * R, 16);
     /* Aim at four slots per warp, in pieces that cut the row evenly. */
     const int64_t per_warp = budget / EPX_BULK_PIPES;
@@ -315,21 +266,5 @@ extern "C" cudaError_t epx__cuda_launch_combine_bulk(const epx__cuda_shape_t *sh
     g.chunks = static_cast<int>(chunks);
     g.chunk_bytes = epx_bulk_round_up((row_bytes + chunks - 1) / chunks, 16);
     g.slot_bytes = epx_bulk_round_up(R * g.chunk_bytes, 128);
-    int64_t stages = per_warp / (g.slot_bytes + g.route_bytes);
-    if (stages > EPX_BULK_MAX_STAGES)
-        stages = EPX_BULK_MAX_STAGES;
-    if (stages < 2)
-        return cudaSuccess;
-    g.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = EPX_BULK_PIPES * stages * (g.slot_bytes + g.route_bytes);
-    err = cudaFuncSetAttribute(reinterpret_cast<const void *>(epx_combine_bulk_kernel),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(ring_bytes));
-    if (err != cudaSuccess)
-        return err;
-    const int blocks = epx_bulk_blocks(args->num_tokens, args->num_sms);
-    epx_combine_bulk_kernel<<<blocks, EPX_BULK_PIPES * 32, static_cast<size_t>(ring_bytes),
-                              stream>>>(*shape, *args, g);
-    *launched = 1;
-    return cudaGetLastError();
+    return epx_bulk_launch(epx_combine_bulk_kernel, shape, args, g, budget, stream, launched);
 }

@@ -66,12 +66,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     const int lane = epx_lane(), warp = epx_warp();
     uint64_t *bar = bars[warp];
     char *slots = ring + static_cast<int64_t>(warp) * S * slot_bytes;
-    if (lane == 0) {
-        for (int i = 0; i < S; i++)
-            epx_mbar_init(&bar[i], 1);
-        epx_mbar_init_fence();
-    }
-    __syncthreads();
+    epx_bulk_ring_init(bar, S);
     /* One thread per ring drives every copy. */
     if (lane != 0)
         return;

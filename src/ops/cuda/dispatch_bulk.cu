@@ -49,15 +49,6 @@ __device__ __forceinline__ int32_t *epx_route_rows(char *route)
     return reinterpret_cast<int32_t *>(route + 8);
 }
 
-/* send_row of token t at ranks `lane` and `lane + 32` (-1 past the last rank). */
-__device__ __forceinline__ void epx_load_route(const epx__cuda_dispatch_args_t &a, int R,
-                                               int64_t t, int lane, int32_t *first,
-                                               int32_t *second)
-{
-    *first = lane < R ? a.send_row[t * R + lane] : -1;
-    *second = lane + 32 < R ? a.send_row[t * R + lane + 32] : -1;
-}
-
 /* Top-k id and weight `lane` of token t (-1 and 0 past K, or without top-k outputs). */
 __device__ __forceinline__ void epx_load_topk(const epx__cuda_dispatch_args_t &a, int K,
                                               int64_t t, int lane, int64_t *id, float *weight)
@@ -73,7 +64,7 @@ __device__ __forceinline__ void epx_load_topk(const epx__cuda_dispatch_args_t &a
 
 /*
  * Whole warp: record token t's routing in `route` (rows rewritten in fresh mode, from
- * the values epx_load_route read), then lane 0 arms `bar` and starts the row's loads.
+ * the values epx_bulk_load_route read), then lane 0 arms `bar` and starts the row's loads.
  * A token that goes nowhere arms the barrier with 0 bytes (its phase completes at once).
  */
 __device__ __forceinline__ void epx_dispatch_issue(const epx__cuda_shape_t &s,
@@ -140,12 +131,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     char *slots = ring + static_cast<int64_t>(warp) * S * g.slot_bytes;
     char *routes = ring + static_cast<int64_t>(EPX_BULK_PIPES) * S * g.slot_bytes +
                    static_cast<int64_t>(warp) * S * g.route_bytes;
-    if (lane == 0) {
-        for (int i = 0; i < S; i++)
-            epx_mbar_init(&bar[i], 1);
-        epx_mbar_init_fence();
-    }
-    __syncthreads();
+    epx_bulk_ring_init(bar, S);
 
     const int64_t first = static_cast<int64_t>(blockIdx.x) * EPX_BULK_PIPES + warp;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * EPX_BULK_PIPES;
@@ -154,12 +140,12 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     /* Fill the ring, then read ahead the routing of the first refill. */
     int32_t next_first = -1, next_second = -1;
     for (int64_t j = 0; j < count && j < S; j++) {
-        epx_load_route(a, R, first + j * stride, lane, &next_first, &next_second);
+        epx_bulk_load_route(a, R, first + j * stride, lane, &next_first, &next_second);
         epx_dispatch_issue(s, a, g, bases, first + j * stride, next_first, next_second,
                            routes + j * g.route_bytes, slots + j * g.slot_bytes, &bar[j], lane);
     }
     if (S < count)
-        epx_load_route(a, R, first + S * stride, lane, &next_first, &next_second);
+        epx_bulk_load_route(a, R, first + S * stride, lane, &next_first, &next_second);
 
     /* Top-k entries (lanes below K) are read one token ahead too. */
     int64_t next_id = -1;
@@ -254,8 +240,8 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
                                routes + previous * g.route_bytes, slots + previous * g.slot_bytes,
                                &bar[previous], lane);
             if (refill + 1 < count)
-                epx_load_route(a, R, first + (refill + 1) * stride, lane, &next_first,
-                               &next_second);
+                epx_bulk_load_route(a, R, first + (refill + 1) * stride, lane,
+                                    &next_first, &next_second);
         }
     }
     if (lane == 0)
@@ -276,7 +262,7 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *s
     if (a->x_align < 16 || a->row_bytes % 16 != 0 || a->recv_pitch % 16 != 0 ||
         shape->off_x % 16 != 0)
         return cudaSuccess;
-    epx_dispatch_ring_t g;
+    epx_dispatch_ring_t g = {};
     g.scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
     g.bulk_scales = a->num_scales > 0 && a->scales_col_stride == 1 && g.scale_bytes % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(a->scales) % 16 == 0 &&
@@ -289,21 +275,5 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *s
         reinterpret_cast<const void *>(epx_dispatch_bulk_kernel), 0, &budget);
     if (err != cudaSuccess)
         return err;
-    int64_t stages = budget / (EPX_BULK_PIPES * (g.slot_bytes + g.route_bytes));
-    if (stages > EPX_BULK_MAX_STAGES)
-        stages = EPX_BULK_MAX_STAGES;
-    if (stages < 2)
-        return cudaSuccess;
-    g.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = EPX_BULK_PIPES * stages * (g.slot_bytes + g.route_bytes);
-    err = cudaFuncSetAttribute(reinterpret_cast<const void *>(epx_dispatch_bulk_kernel),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(ring_bytes));
-    if (err != cudaSuccess)
-        return err;
-    const int blocks = epx_bulk_blocks(a->num_tokens, a->num_sms);
-    epx_dispatch_bulk_kernel<<<blocks, EPX_BULK_PIPES * 32, static_cast<size_t>(ring_bytes),
-                               stream>>>(*shape, *args, g);
-    *launched = 1;
-    return cudaGetLastError();
+    return epx_bulk_launch(epx_dispatch_bulk_kernel, shape, args, g, budget, stream, launched);
 }
