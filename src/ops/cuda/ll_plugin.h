@@ -96,7 +96,7 @@ typedef struct {
     int rank, world, num_local, num_experts, topk;
     int blocks;       /* the SM budget: grid size of every kernel */
     int kernels;      /* 1: cells packed by the receive; 2: rows placed once (ll2_*.cu) */
-    int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-4) */
+    int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-2) */
     int stages;       /* kernels 2: the combine receive's copy stages (shared memory; 0 for
                          loads into registers) */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
@@ -266,7 +266,7 @@ EPX_LL_HOST_DEVICE size_t epx_ll_recv_smem(int local, int world)
 #define EPX_LL2_ROUTE_TOKENS 32
 /* Rows a combine receive lane copies per pipeline stage (16 bytes of each). */
 #define EPX_LL2_STAGE_ROWS 8
-/* Most copy stages a combine receive warp may have (its bulk barriers are static). */
+/* Most copy stages a combine receive warp may have (EPX_LL_COMBINE_RECV 1). */
 #define EPX_LL2_MAX_STAGES 3
 
 /* Tokens a kernels-2 send block places at a time. */
@@ -308,7 +308,7 @@ EPX_LL_HOST_DEVICE size_t epx_ll2_dispatch_smem(int experts, int topk, int world
  */
 EPX_LL_HOST_DEVICE size_t epx_ll2_combine_stage_bytes(int stages)
 {
-    /* 0: the receive loads into registers (EPX_LL_COMBINE_RECV 2, 3), no stages. */
+    /* 0: the receive loads into registers (EPX_LL_COMBINE_RECV 2), no stages. */
     return stages <= 0 ? 0 : (size_t)(EPX_LL2_THREADS / 32) * (size_t)stages * EPX_LL2_STAGE_ROWS * 32 * 16;
 }
 

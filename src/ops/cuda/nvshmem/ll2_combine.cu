@@ -30,7 +30,6 @@
  */
 #include <cuda_bf16.h>
 
-#include "ops/cuda/bulk.cuh"
 #include "ops/cuda/nvshmem/ll2_device.cuh"
 
 namespace {
@@ -288,171 +287,57 @@ __device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
 }
 
 /*
- * The same reduction with plain loads into registers (EPX_LL_COMBINE_RECV=2: kUnits 2;
- * 3: kUnits 1): each warp takes kUnits (token, 256-channel chunk) units at a time and issues the loads of
- * up to 8 of each unit's rows (16 bytes a lane, L2 only: the rows come from peers) before
- * it sums any, so 8 * kUnits loads a lane are in flight; then the next 8 rows. Same sums,
- * in the same top-k order, as reduce_batch.
+ * The same reduction with loads into registers (EPX_LL_COMBINE_RECV=2, the default): each
+ * warp takes one (token, 256-channel chunk) unit at a time and issues the loads of up to 8
+ * of its rows (16 bytes a lane, L2 only: the rows come from peers) before it sums any.
+ * Same sums, in the same top-k order, as reduce_batch. Measured faster than the copy
+ * stages and than two units in flight (which needs more than the 128 registers a thread
+ * of a 512-thread block has), docs/PERFORMANCE.md.
  */
-template <int kUnits>
 __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &op,
                                    const recv_smem_t &m, int64_t b0, int n)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
     const int chunks = (int)((s.hidden + 255) / 256);
     const int units = n * chunks;
-    for (int u0 = warp; u0 < units; u0 += kUnits * EPX_LL_WARPS) {
-        int entry[kUnits], valid[kUnits]; /* first routing entry of the unit's token */
-        int channel[kUnits];
-#pragma unroll
-        for (int d = 0; d < kUnits; d++) {
-            const int u = u0 + d * EPX_LL_WARPS;
-            entry[d] = u < units ? (u / chunks) * k : 0;
-            channel[d] = (u % chunks) * 256 + lane * 8;
-            valid[d] = (u < units && channel[d] < s.hidden) ? m.valid[u / chunks] : 0;
-        }
-        float acc[kUnits][8];
+    for (int u = warp; u < units; u += EPX_LL_WARPS) {
+        const int entry = (u / chunks) * k; /* the token's first routing entry */
+        const int channel = (u % chunks) * 256 + lane * 8;
+        const int valid = channel < s.hidden ? m.valid[u / chunks] : 0;
+        float acc[8];
         for (int g = 0; g < k; g += 8) {
-            int4 raw[kUnits][8];
+            int4 raw[8];
 #pragma unroll
-            for (int d = 0; d < kUnits; d++) {
-#pragma unroll
-                for (int b = 0; b < 8; b++) {
-                    if (g + b < valid[d]) {
-                        const char *row = reinterpret_cast<const char *>(m.row[entry[d] + g + b]);
-                        raw[d][b] = __ldcg(reinterpret_cast<const int4 *>(row) + channel[d] / 8);
-                    }
+            for (int b = 0; b < 8; b++) {
+                if (g + b < valid) {
+                    const char *row = reinterpret_cast<const char *>(m.row[entry + g + b]);
+                    raw[b] = __ldcg(reinterpret_cast<const int4 *>(row) + channel / 8);
                 }
             }
 #pragma unroll
-            for (int d = 0; d < kUnits; d++) {
+            for (int b = 0; b < 8; b++) {
+                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
+                const float w = g + b < valid ? m.weight[entry + g + b] : 0.0f;
 #pragma unroll
-                for (int b = 0; b < 8; b++) {
-                    const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[d][b]);
-                    const float w = g + b < valid[d] ? m.weight[entry[d] + g + b] : 0.0f;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) {
-                        if (g + b == 0)
-                            acc[d][i] = 0.0f;
-                        if (g + b < valid[d])
-                            acc[d][i] = __fadd_rn(acc[d][i], __fmul_rn(w, __bfloat162float(y[i])));
-                    }
+                for (int i = 0; i < 8; i++) {
+                    if (g + b == 0)
+                        acc[i] = 0.0f;
+                    if (g + b < valid)
+                        acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
                 }
             }
         }
+        if (channel >= s.hidden)
+            continue;
+        int4 packed;
+        __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
 #pragma unroll
-        for (int d = 0; d < kUnits; d++) {
-            if (u0 + d * EPX_LL_WARPS >= units || channel[d] >= s.hidden)
-                continue;
-            int4 packed;
-            __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-#pragma unroll
-            for (int i = 0; i < 8; i++)
-                o[i] = __float2bfloat16_rn(k > 0 ? acc[d][i] : 0.0f);
-            const int64_t token = b0 + entry[d] / k;
-            epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)token * op.out_stride + channel[d]) * 2,
-                      packed);
-        }
+        for (int i = 0; i < 8; i++)
+            o[i] = __float2bfloat16_rn(k > 0 ? acc[i] : 0.0f);
+        const int64_t token = b0 + u / chunks;
+        epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)token * op.out_stride + channel) * 2,
+                  packed);
     }
-}
-
-/*
- * The same reduction with TMA bulk copies (EPX_LL_COMBINE_RECV=4): each warp a ring of
- * `stages` stages of up to 8 rows x 512 bytes (one unit's group of rows), one mbarrier a
- * stage; lanes 0..7 each start one row's bulk copy of the unit's chunk, so a warp keeps
- * stages - 1 units' rows in flight while it sums one, without registers or per-lane copy
- * instructions. `item` counts the warp's items over the batches (the barriers' phases).
- */
-__device__ void reduce_batch_bulk(const epx_ll_shape_t &s, const epx_ll_op_t &op,
-                                  const recv_smem_t &m, int64_t b0, int n, int stages,
-                                  uint64_t *bars, uint32_t &item)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
-    const int chunks = (int)((s.hidden + 255) / 256);
-    const int groups = (k + EPX_LL2_STAGE_ROWS - 1) / EPX_LL2_STAGE_ROWS;
-    const int units = n * chunks;
-    const int my_units = warp < units ? (units - warp + EPX_LL_WARPS - 1) / EPX_LL_WARPS : 0;
-    const int items = my_units * groups;
-    char *ring = reinterpret_cast<char *>(m.stages) + (size_t)warp * stages * EPX_LL2_STAGE_ROWS * 512;
-    uint64_t *bar = bars + warp * EPX_LL2_MAX_STAGES;
-
-    /* Item p's copies into stage (item + p) % stages; every lane calls it. */
-    auto issue = [&](int p) {
-        if (p >= items)
-            return;
-        const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
-        const int tt = unit / chunks;
-        const int64_t channel = (int64_t)(unit % chunks) * 256;
-        const int rows = max(0, min(EPX_LL2_STAGE_ROWS, m.valid[tt] - g * EPX_LL2_STAGE_ROWS));
-        const uint32_t bytes = (uint32_t)(min((int64_t)256, s.hidden - channel) * 2);
-        const int at = (int)((item + p) % (uint32_t)stages);
-        /* The stage's previous item was read by every lane, each fenced against the async
-         * proxy before the __syncwarp in the loop that precedes this call. */
-        if (lane == 0)
-            epx_mbar_arrive_expect(bar + at, (uint32_t)rows * bytes);
-        __syncwarp();
-        if (lane < rows) {
-            const char *row = reinterpret_cast<const char *>(m.row[tt * k + g * EPX_LL2_STAGE_ROWS + lane]);
-            epx_bulk_load(ring + ((size_t)at * EPX_LL2_STAGE_ROWS + lane) * 512, row + channel * 2, bytes,
-                          bar + at);
-        }
-    };
-
-    for (int p = 0; p < stages - 1; p++)
-        issue(p);
-    float acc[8];
-    for (int i = 0; i < 8; i++)
-        acc[i] = 0.0f;
-    for (int p = 0; p < items; p++) {
-        const uint32_t global_item = item + (uint32_t)p;
-        const int at = (int)(global_item % (uint32_t)stages);
-        const int unit = warp + (p / groups) * EPX_LL_WARPS, g = p % groups;
-        const int tt = unit / chunks;
-        const int64_t channel = (int64_t)(unit % chunks) * 256 + lane * 8;
-        const int valid = m.valid[tt];
-        if (!epx_mbar_wait(bar + at, (global_item / (uint32_t)stages) & 1u, s.timeout_ns, s.mask + s.world)) {
-            /* Never expected (a copy that does not complete is a fault): give up the unit. */
-            if (lane == 0 && atomicCAS(s.mask + s.world, 0, 1) == 0) {
-                volatile epx_ll_fail_t *f = s.fail;
-                f->stage = EPX_LL_STAGE_COMBINE;
-                f->peer = s.rank;
-                __threadfence_system();
-                f->code = 1;
-            }
-        }
-        const int4 *slot = reinterpret_cast<const int4 *>(ring + (size_t)at * EPX_LL2_STAGE_ROWS * 512) + lane;
-        if (channel < s.hidden) {
-            for (int b = 0; b < EPX_LL2_STAGE_ROWS; b++) {
-                const int jj = g * EPX_LL2_STAGE_ROWS + b;
-                if (jj >= valid)
-                    break;
-                const int4 raw = slot[b * 32];
-                const float w = m.weight[tt * k + jj];
-                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw);
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
-            }
-        }
-        epx_bulk_fence_shared(); /* this lane's reads of stage `at`, before bulk copies refill it */
-        __syncwarp();
-        issue(p + stages - 1);
-        if (g == groups - 1) {
-            if (channel < s.hidden) {
-                int4 packed;
-                __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    o[i] = __float2bfloat16_rn(acc[i]);
-                epx_st_v4(reinterpret_cast<char *>(op.out) +
-                              ((size_t)(b0 + tt) * op.out_stride + channel) * 2,
-                          packed);
-            }
-            for (int i = 0; i < 8; i++)
-                acc[i] = 0.0f;
-        }
-    }
-    item += (uint32_t)items;
 }
 
 template <int kLoads>
@@ -476,14 +361,6 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
 
     if (!fused)
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
-    /* Bulk copies (kLoads 4): each warp's stage barriers, used from phase 0 in this launch. */
-    __shared__ uint64_t bars[kLoads == 4 ? EPX_LL_WARPS * EPX_LL2_MAX_STAGES : 1];
-    uint32_t bulk_item = 0;
-    if (kLoads == 4 && (threadIdx.x & 31) == 0) {
-        for (int i = 0; i < stages; i++)
-            epx_mbar_init(bars + (threadIdx.x >> 5) * EPX_LL2_MAX_STAGES + i, 1);
-        epx_mbar_init_fence();
-    }
     /* The first batch's routing before the waits (it needs only this rank's memory). */
     if (t0 < t1)
         load_routing(s, op, m, t0, (int)min((int64_t)tc, t1 - t0));
@@ -503,12 +380,6 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
                                        EPX_LL_STAGE_COMBINE);
         m.ok[r] = alive;
     }
-    if (kLoads == 4) {
-        /* The rows the flags published (generic writes) are read by bulk copies (the async
-         * proxy), into shared memory this block's threads used before. */
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        epx_bulk_fence_shared();
-    }
     __syncthreads();
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_READY);
 
@@ -518,11 +389,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
             load_routing(s, op, m, b0, n);
         compact_routing(s, m, n);
         if (kLoads == 2)
-            reduce_batch_loads<2>(s, op, m, b0, n);
-        else if (kLoads == 3)
-            reduce_batch_loads<1>(s, op, m, b0, n);
-        else if (kLoads == 4)
-            reduce_batch_bulk(s, op, m, b0, n, stages, bars, bulk_item);
+            reduce_batch_loads(s, op, m, b0, n);
         else
             reduce_batch(s, op, m, b0, n, stages);
         __syncthreads();
@@ -575,21 +442,15 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
 
 /*
  * The kernel for a receive's loads (shape.combine_recv, EPX_LL_COMBINE_RECV): 1 cp.async
- * stages, 2 registers with two units a warp in flight, 3 registers with one, 4 bulk copies.
- * Each its own kernel, so that each gets its own register allocation.
+ * stages, 2 registers. Each its own kernel, so that each gets its own register allocation.
  */
 static void (*combine_kernel(int recv))(epx_ll_shape_t, epx_ll_op_t, int, int)
 {
-    switch (recv) {
-    case 2: return epx::ll2::combine<2>;
-    case 3: return epx::ll2::combine<3>;
-    case 4: return epx::ll2::combine<4>;
-    default: return epx::ll2::combine<1>;
-    }
+    return recv == 1 ? epx::ll2::combine<1> : epx::ll2::combine<2>;
 }
 
 /*
- * The combine receive's copy stages: none for loads into registers (combine_recv 2, 3),
+ * The combine receive's copy stages: none for loads into registers (combine_recv 2),
  * else as many (up to EPX_LL2_MAX_STAGES)
  * as the device's shared memory per block holds beside the kernel's static shared memory;
  * and the attribute that lets the kernel use it (process-wide: set to the most the device
@@ -608,8 +469,8 @@ extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
         return (int)err;
     const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
     const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
-    /* Loads into registers (EPX_LL_COMBINE_RECV 2, 3): no stages. */
-    s->stages = (s->combine_recv == 2 || s->combine_recv == 3) ? 0 : EPX_LL2_MAX_STAGES;
+    /* Loads into registers (EPX_LL_COMBINE_RECV 2): no stages. */
+    s->stages = s->combine_recv == 2 ? 0 : EPX_LL2_MAX_STAGES;
     while (s->stages > 1 &&
            epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
         s->stages--;
