@@ -76,11 +76,25 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const uint64_t seq = epx_op_seq(s);
     if (epx_failed(s))
         return;
-    epx_xn_combine_setup(s, a, x_base, x_stride, x_rows, first_record);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
+        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
+        x_stride[p] = slot->ready_stride;
+        x_rows[p] = slot->ready_rows;
+    }
+    if (threadIdx.x == 0) {
+        int32_t total = 0;
+        for (int node = 0; node < N; node++) {
+            first_record[node] = total;
+            total += a.xn.node_in[node];
+        }
+        first_record[N] = total;
+    }
+    __syncthreads();
 
-    const epx_xn_sources_t x = {x_base, x_stride, x_rows};
     char *own = epx_xn_own(s);
     const int lane = epx_lane(), warp = epx_warp();
+    const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_XN_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_XN_WARPS;
     const int64_t records = first_record[N];
@@ -95,11 +109,18 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     for (int64_t step = 0; step < run_end - run_begin; step++) {
         /* Test mode takes the run last first. */
         const int64_t q = s.xn_test_delay_ns > 0 ? run_end - 1 - step : run_begin + step;
-        int64_t j;
-        const int node = epx_xn_record_node(first_record, q, &j);
+        int node = 0;
+        while (q >= first_record[node + 1])
+            node++;
+        const int64_t j = q - first_record[node];
+        const int32_t *rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
+        int n_local = epx_xn_local_sources(s, rows, x_base, x_stride, x_rows, local_row[warp],
+                                           local_weights[warp]);
+        __syncwarp();
         char *out = own + s.off_xn_partial_out +
                     ((int64_t)node * s.max_tokens + j) * s.xn_partial_pitch;
-        epx_xn_record_partial(s, a, x, node, j, out, local_row[warp], local_weights[warp]);
+        epx_xn_partial_write(s, a, out, local_row[warp], local_weights[warp], n_local);
+        __syncwarp();
     }
     /* The run's partial sums, one put per home rank it reaches. */
     for (int node = 0; node < N && run_end > run_begin && !failed; node++) {
@@ -130,8 +151,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
     /* Own tokens. */
     for (int64_t j = first_warp; j < a.num_tokens && !failed; j += num_warps) {
-        int n_local = epx_xn_local_sources(s, a.send_row + j * R + first_local, x.base, x.stride,
-                                           x.rows, local_row[warp], local_weights[warp]);
+        int n_local = epx_xn_local_sources(s, a.send_row + j * R + first_local, x_base, x_stride,
+                                           x_rows, local_row[warp], local_weights[warp]);
 
         /* Own token j: the other nodes' partial sums, in node order (lane = node). */
         int before = 0, n_remote = 0, ok = 1;
@@ -148,8 +169,16 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
                 else
                     ok = 0;
             }
-            epx_xn_add_remote(s, my_node, own + s.off_xn_partial_in, s.max_tokens, -1, other, pos,
-                              remote_row[warp], remote_weights[warp], &before, &n_remote);
+            unsigned has = __ballot_sync(0xffffffffu, pos >= 0);
+            if (pos >= 0) {
+                int at = n_remote + __popc(has & lanes_below);
+                const char *slot = own + s.off_xn_partial_in +
+                                   ((int64_t)other * s.max_tokens + pos) * s.xn_partial_pitch;
+                remote_row[warp][at] = slot;
+                remote_weights[warp][at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
+            }
+            before += __popc(__ballot_sync(0xffffffffu, pos >= 0 && other < my_node));
+            n_remote += __popc(has);
         }
         if (!__all_sync(0xffffffffu, ok))
             break;

@@ -1,42 +1,74 @@
 /*
  * The reductions of the internode combine, shared by its two kernels (xn_combine.cu:
  * worst-case slots; xn_ring_combine.cu: rings with credits): the loads and fp32 sums of
- * bf16 rows in a fixed order (over reduce.cuh, as the single-node combine), this node's
- * rows of an item, the partial sum of a record this rank forwarded, the other nodes'
- * partial sums of an own token, and its final sum in node order (docs/INTERNODE.md
- * defines the order; the CPU backend and the oracle use it too). Also the kernels' common
- * start: where this node's ranks published their x, and where each node's records begin.
- * What differs between the kernels stays in them: where partial sums are staged, how a
- * sender waits for room, and how a home rank learns that they landed.
+ * bf16 rows in a fixed order, this node's rows of an item, the partial sum of a record
+ * this rank forwarded, and the final sum of an own token in node order (docs/INTERNODE.md
+ * defines the order; the CPU backend and the oracle use it too).
  */
 #ifndef EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
 #define EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
 
 #include "ops/cuda/nvshmem/xn_device.cuh"
-#include "ops/cuda/reduce.cuh"
 
 #define EPX_XN_COMBINE_UNROLL 2
 
 #define EPX_XN_COMBINE_GROUP 4
 
 /*
- * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane (reduce.cuh, as
- * the combine of one node adds them). `fresh` sources (written by a peer's put during
- * this kernel) are read through L2 only.
+ * acc += the n source rows, in order, for the vectors i0 + u * 32 + lane; kGroup sources
+ * x kUnroll vectors of loads in flight per lane. `fresh` sources (written by a peer's
+ * put during this kernel) are read through L2 only.
  */
 __device__ __forceinline__ void epx_xn_accumulate(const char *const *src, int n, int64_t i0,
                                                   int64_t units, int fresh,
                                                   float (&acc)[EPX_XN_COMBINE_UNROLL][8])
 {
-    epx_add_rows<EPX_XN_COMBINE_UNROLL, EPX_XN_COMBINE_GROUP>(acc, src, n, i0, units, epx_lane(),
-                                                               fresh);
+    const int lane = epx_lane();
+    const int kUnroll = EPX_XN_COMBINE_UNROLL, kGroup = EPX_XN_COMBINE_GROUP;
+    for (int j0 = 0; j0 < n; j0 += kGroup) {
+        int4 v[kGroup][kUnroll];
+#pragma unroll
+        for (int g = 0; g < kGroup; g++)
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                int64_t i = i0 + u * 32 + lane;
+                if (j0 + g < n && i < units)
+                    v[g][u] = fresh ? __ldcg(reinterpret_cast<const int4 *>(src[j0 + g]) + i)
+                                    : epx_ld_nc_v4(src[j0 + g] + i * 16);
+            }
+#pragma unroll
+        for (int g = 0; g < kGroup; g++) {
+            if (j0 + g >= n)
+                break;
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++) {
+                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    acc[u][2 * e] += epx_bf16_lo(w[e]);
+                    acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
+                }
+            }
+        }
+    }
 }
 
-__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0,
-                                                 int64_t units,
+__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0, int64_t units,
                                                  const float (&acc)[EPX_XN_COMBINE_UNROLL][8])
 {
-    epx_store_sums<EPX_XN_COMBINE_UNROLL>(out, out_align, acc, i0, units, epx_lane());
+    const int lane = epx_lane();
+#pragma unroll
+    for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++) {
+        int64_t i = i0 + u * 32 + lane;
+        if (i < units) {
+            int4 packed;
+            packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
+            packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
+            packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
+            packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
+            epx_st16(out + i * 16, packed, out_align);
+        }
+    }
 }
 
 /* sum += the K weights of each source, in order (lanes split K). */
@@ -77,81 +109,6 @@ __device__ __forceinline__ int epx_xn_local_sources(const epx__cuda_shape_t &s, 
     return __popc(ballot);
 }
 
-/* Where this node's ranks published their x (the ready kernel), per local rank. */
-typedef struct {
-    const char *const *base;
-    const int64_t *stride;
-    const int64_t *rows;
-} epx_xn_sources_t;
-
-/*
- * Whole block, at the start of both combine kernels: where each rank of this node
- * published its x (the ready kernel), by local rank, and first_record[node] = the index of
- * node's first record this rank forwarded in the dispatch, in node order (first_record[N]
- * = how many). Ends with __syncthreads.
- */
-__device__ __forceinline__ void epx_xn_combine_setup(const epx__cuda_shape_t &s,
-                                                     const epx__cuda_combine_args_t &a,
-                                                     const char **x_base, int64_t *x_stride,
-                                                     int64_t *x_rows, int32_t *first_record)
-{
-    const int N = s.num_nodes, P = s.ranks_per_node;
-    const int me = s.rank, first_local = epx_xn_node(s, me) * P;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
-        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
-        x_stride[p] = slot->ready_stride;
-        x_rows[p] = slot->ready_rows;
-    }
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
-    __syncthreads();
-}
-
-/* Forwarded record q: its node, and (*j) its index among that node's records. */
-__device__ __forceinline__ int epx_xn_record_node(const int32_t *first_record, int64_t q,
-                                                  int64_t *j)
-{
-    int node = 0;
-    while (q >= first_record[node + 1])
-        node++;
-    *j = q - first_record[node];
-    return node;
-}
-
-/*
- * Lanes = nodes (`other`): when node other sent a partial sum of this token (pos >= 0; its
- * slot is pos & ring_mask of the node's per_node slots in partial_in, ring_mask = C - 1
- * with rings of C, -1 without), append it to remote_row and remote_weights in node order.
- * Counts the sums in *n_remote, those of nodes before this one (my_node) in *before.
- */
-__device__ __forceinline__ void epx_xn_add_remote(const epx__cuda_shape_t &s, int my_node,
-                                                  const char *partial_in, int64_t per_node,
-                                                  int64_t ring_mask, int other, int32_t pos,
-                                                  const char **remote_row,
-                                                  const float **remote_weights, int *before,
-                                                  int *n_remote)
-{
-    const int lane = epx_lane();
-    const unsigned lanes_below = (1u << lane) - 1u;
-    unsigned has = __ballot_sync(0xffffffffu, pos >= 0);
-    if (pos >= 0) {
-        int at = *n_remote + __popc(has & lanes_below);
-        const char *slot =
-            partial_in + ((int64_t)other * per_node + (pos & ring_mask)) * s.xn_partial_pitch;
-        remote_row[at] = slot;
-        remote_weights[at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
-    }
-    *before += __popc(__ballot_sync(0xffffffffu, pos >= 0 && other < my_node));
-    *n_remote += __popc(has);
-}
-
 #define EPX_XN_MAX_K_PER_LANE 8 /* top-k up to 256 */
 
 /*
@@ -178,26 +135,6 @@ __device__ __forceinline__ void epx_xn_partial_write(const epx__cuda_shape_t &s,
         for (int k = epx_lane(), i = 0; k < K; k += 32, i++)
             reinterpret_cast<float *>(out + s.hidden * 2)[k] = sum[i];
     }
-}
-
-/*
- * Whole warp: the partial sum of record j this rank forwarded for node `node` (over this
- * node's rows of it), written to `out`, its partial-sum slot.
- */
-__device__ __forceinline__ void epx_xn_record_partial(const epx__cuda_shape_t &s,
-                                                      const epx__cuda_combine_args_t &a,
-                                                      const epx_xn_sources_t &x, int node,
-                                                      int64_t j, char *out,
-                                                      const char **local_row,
-                                                      const float **local_weights)
-{
-    const int32_t *rows =
-        a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * s.ranks_per_node;
-    int n_local =
-        epx_xn_local_sources(s, rows, x.base, x.stride, x.rows, local_row, local_weights);
-    __syncwarp();
-    epx_xn_partial_write(s, a, out, local_row, local_weights, n_local);
-    __syncwarp();
 }
 
 /*

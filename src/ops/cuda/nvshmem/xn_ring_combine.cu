@@ -17,6 +17,13 @@
 #include "ops/cuda/nvshmem/xn_reduce.cuh"
 #include "ops/cuda/nvshmem/xn_ring.cuh"
 
+/* Where this node's ranks published their x (the ready kernel), per local rank. */
+typedef struct {
+    const char *const *base;
+    const int64_t *stride;
+    const int64_t *rows;
+} epx_xn_sources_t;
+
 /* Producers: this warp's forwarded records (index, index + count, ... in node order). */
 __device__ __forceinline__ void epx_xn_ring_produce(const epx__cuda_shape_t &s,
                                                     const epx__cuda_combine_args_t &a,
@@ -26,7 +33,7 @@ __device__ __forceinline__ void epx_xn_ring_produce(const epx__cuda_shape_t &s,
                                                     const char **local_row,
                                                     const float **local_weights)
 {
-    const int N = s.num_nodes;
+    const int N = s.num_nodes, P = s.ranks_per_node;
     epx_xn_ring_put_t p;
     p.stage = epx_xn_own(s) + s.off_xn_partial_out;
     p.dst_offset = s.off_xn_partial_in;
@@ -35,12 +42,19 @@ __device__ __forceinline__ void epx_xn_ring_produce(const epx__cuda_shape_t &s,
     p.credit_stage = EPX_CUDA_STAGE_COMBINE_CREDIT;
     p.enter_offset = (int64_t)offsetof(epx__cuda_slot_t, xn_enter);
     for (int64_t q = role.index; q < first_record[N]; q += role.count) {
-        int64_t j;
-        const int node = epx_xn_record_node(first_record, q, &j);
+        int node = 0;
+        while (q >= first_record[node + 1])
+            node++;
+        const int64_t j = q - first_record[node];
         if (!epx_xn_ring_reserve(s, p, node, j))
             return;
-        epx_xn_record_partial(s, a, x, node, j, epx_xn_ring_slot(s, p, node, j), local_row,
-                              local_weights);
+        const int32_t *rows = a.xn.fwd_rows + ((int64_t)node * s.max_tokens + j) * P;
+        int n_local = epx_xn_local_sources(s, rows, x.base, x.stride, x.rows, local_row,
+                                           local_weights);
+        __syncwarp();
+        epx_xn_partial_write(s, a, epx_xn_ring_slot(s, p, node, j), local_row, local_weights,
+                             n_local);
+        __syncwarp();
         if (!epx_xn_ring_put(s, p, node, j))
             return;
         __syncwarp();
@@ -59,6 +73,7 @@ __device__ __forceinline__ void epx_xn_ring_reduce(const epx__cuda_shape_t &s,
 {
     const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node, lane = epx_lane();
     const int me = s.rank, my_node = epx_xn_node(s, me), first_local = my_node * P;
+    const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t C = s.xn_ring;
     const epx_xn_ring_t ring = epx_xn_ring(s, 1);
     const char *partial_in = epx_xn_own(s) + s.off_xn_partial_in;
@@ -84,8 +99,16 @@ __device__ __forceinline__ void epx_xn_ring_reduce(const epx__cuda_shape_t &s,
                 else
                     ok = 0;
             }
-            epx_xn_add_remote(s, my_node, partial_in, C, C - 1, other, pos[i], remote_row,
-                              remote_weights, &before, &n_remote);
+            unsigned has = __ballot_sync(0xffffffffu, pos[i] >= 0);
+            if (pos[i] >= 0) {
+                int at = n_remote + __popc(has & lanes_below);
+                const char *slot = partial_in +
+                                   ((int64_t)other * C + (pos[i] & (C - 1))) * s.xn_partial_pitch;
+                remote_row[at] = slot;
+                remote_weights[at] = reinterpret_cast<const float *>(slot + s.hidden * 2);
+            }
+            before += __popc(__ballot_sync(0xffffffffu, pos[i] >= 0 && other < my_node));
+            n_remote += __popc(has);
         }
         if (!__all_sync(0xffffffffu, ok))
             return;
@@ -115,10 +138,25 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
-    const int N = s.num_nodes;
+    const int N = s.num_nodes, P = s.ranks_per_node;
+    const int me = s.rank, first_local = epx_xn_node(s, me) * P;
     if (epx_failed(s))
         return;
-    epx_xn_combine_setup(s, a, x_base, x_stride, x_rows, first_record);
+    for (int p = threadIdx.x; p < P; p += blockDim.x) {
+        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
+        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
+        x_stride[p] = slot->ready_stride;
+        x_rows[p] = slot->ready_rows;
+    }
+    if (threadIdx.x == 0) {
+        int32_t total = 0;
+        for (int node = 0; node < N; node++) {
+            first_record[node] = total;
+            total += a.xn.node_in[node];
+        }
+        first_record[N] = total;
+    }
+    __syncthreads();
 
     const epx_xn_sources_t x = {x_base, x_stride, x_rows};
     const epx_xn_role_t role = epx_xn_ring_role();
