@@ -47,6 +47,14 @@ def main():
                      [rank + 100.0] + [rank + 100 + ev + 0.5 for ev in range(1, 7)]
             assert rows[rank] == expect, (rank, rows[rank], expect)
         assert "5 steps" in out and "median 107.5 us" in out and "median 1000.0 us" in out, out
+        # Phases: rank 1's lengths are the longest where block 1 lags (0.5 us).
+        phases = {line[:52].strip(): float(line.split()[-2]) for line in out.splitlines()
+                  if line.startswith("  ") and line.rstrip().endswith(" us")
+                  and "/" not in line}
+        assert phases["DISPATCH ROWS STORED"] == 1.0, phases          # base 3.5 -> stored 4.5
+        assert phases["dispatch start->base (routing, release, counts)"] == 3.5, phases
+        assert phases["kernel boundary (arrived->combine start)"] == 93.0, phases
+        assert phases["COMBINE ROWS SUMMED"] == 1.0, phases
         bad = os.path.join(tmp, "bad")
         with open(bad + ".0", "wb") as f:
             f.write(b"NOTATRACE" * 10)
