@@ -20,9 +20,10 @@
  * Receive (grid; each block a contiguous range of tokens, in batches of
  *   EPX_LL2_ROUTE_TOKENS): the batch's routing goes to shared memory first (row address
  *   and weight of each valid entry, in top-k order; the first batch's before the waits),
- *   then each warp streams (token, 256-channel chunk) units through a ring of `stages`
- *   cp.async stages of up to 8 rows x 16 bytes per lane, so several units' loads are in
- *   flight while one is summed. The last block (a GPU-scope counter; the releases after
+ *   then each warp sums (token, 256-channel chunk) units: EPX_LL_COMBINE_RECV=2 (the
+ *   default) loads a unit's rows (up to 8, 16 bytes a lane) into registers before it sums
+ *   them; 1 streams units through a ring of `stages` cp.async stages of up to 8 rows x 16
+ *   bytes per lane, several units' loads in flight while one is summed. The last block (a GPU-scope counter; the releases after
  *   it are cumulative) tells the expert ranks their slot is free.
  * A call without EPX_LL_SEND_ONLY runs both in one launch (block 0 sends first; the last
  * block of the receive advances the sequence number).
@@ -332,7 +333,7 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
         int4 packed;
         __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
 #pragma unroll
-        for (int i = 0; i < 8; i++)
+        for (int i = 0; i < 8; i++) /* acc was zeroed at g + b == 0 (k >= 1 always) */
             o[i] = __float2bfloat16_rn(k > 0 ? acc[i] : 0.0f);
         const int64_t token = b0 + u / chunks;
         epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)token * op.out_stride + channel) * 2,
@@ -450,11 +451,11 @@ static void (*combine_kernel(int recv))(epx_ll_shape_t, epx_ll_op_t, int, int)
 }
 
 /*
- * The combine receive's copy stages: none for loads into registers (combine_recv 2),
- * else as many (up to EPX_LL2_MAX_STAGES)
- * as the device's shared memory per block holds beside the kernel's static shared memory;
- * and the attribute that lets the kernel use it (process-wide: set to the most the device
- * allows, so that no buffer's launch needs more than another buffer set).
+ * The combine receive's copy stages: none for loads into registers (combine_recv 2), else
+ * as many (up to EPX_LL2_MAX_STAGES) as the device's shared memory per block holds beside
+ * the kernel's static shared memory; and the attribute that lets the kernel use it
+ * (process-wide: set to the most the device allows, so that no buffer's launch needs
+ * more than another buffer set).
  */
 extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
 {
@@ -488,7 +489,7 @@ extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t
     const int moves = s->use_puts || (const char *)op->x != own + s->combine_in;
     /* A send alone that moves no row is one block's work (flags). */
     const int blocks = (run == EPX_LL_RUN_SEND && !moves) ? 1 : s->blocks;
-    combine_kernel(s->combine_recv)<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run,
-                                                                                      s->stages);
+    void (*kernel)(epx_ll_shape_t, epx_ll_op_t, int, int) = combine_kernel(s->combine_recv);
+    kernel<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run, s->stages);
     return (int)cudaGetLastError();
 }
