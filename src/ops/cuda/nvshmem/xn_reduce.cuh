@@ -9,6 +9,7 @@
 #define EPX_OPS_CUDA_NVSHMEM_XN_REDUCE_CUH
 
 #include "ops/cuda/nvshmem/xn_device.cuh"
+#include "ops/cuda/reduce.cuh"
 
 #define EPX_XN_COMBINE_UNROLL 2
 
@@ -41,32 +42,8 @@ __device__ __forceinline__ void epx_xn_accumulate(const char *const *src, int n,
             if (j0 + g >= n)
                 break;
 #pragma unroll
-            for (int u = 0; u < kUnroll; u++) {
-                const uint32_t *w = reinterpret_cast<const uint32_t *>(&v[g][u]);
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    acc[u][2 * e] += epx_bf16_lo(w[e]);
-                    acc[u][2 * e + 1] += epx_bf16_hi(w[e]);
-                }
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ void epx_xn_store_acc(char *out, int out_align, int64_t i0, int64_t units,
-                                                 const float (&acc)[EPX_XN_COMBINE_UNROLL][8])
-{
-    const int lane = epx_lane();
-#pragma unroll
-    for (int u = 0; u < EPX_XN_COMBINE_UNROLL; u++) {
-        int64_t i = i0 + u * 32 + lane;
-        if (i < units) {
-            int4 packed;
-            packed.x = (int)epx_pack_bf16(acc[u][0], acc[u][1]);
-            packed.y = (int)epx_pack_bf16(acc[u][2], acc[u][3]);
-            packed.z = (int)epx_pack_bf16(acc[u][4], acc[u][5]);
-            packed.w = (int)epx_pack_bf16(acc[u][6], acc[u][7]);
-            epx_st16(out + i * 16, packed, out_align);
+            for (int u = 0; u < kUnroll; u++)
+                epx_add_bf16x8(acc[u], v[g][u]);
         }
     }
 }
@@ -127,7 +104,7 @@ __device__ __forceinline__ void epx_xn_partial_write(const epx__cuda_shape_t &s,
     for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
         float acc[EPX_XN_COMBINE_UNROLL][8] = {};
         epx_xn_accumulate(local_row, n_local, i0, units, 0, acc);
-        epx_xn_store_acc(out, 16, i0, units, acc);
+        epx_store_sums(out, 16, acc, i0, units, epx_lane());
     }
     if (a.has_weights) {
         float sum[EPX_XN_MAX_K_PER_LANE] = {};
@@ -167,7 +144,7 @@ __device__ __forceinline__ void epx_xn_reduce_token(const epx__cuda_shape_t &s,
                     total[u][e] += epx_bf16_lo(epx_float_to_bf16(acc[u][e]));
         }
         epx_xn_accumulate(remote_row + before, n_remote - before, i0, units, 1, total);
-        epx_xn_store_acc(out, a.out_align, i0, units, total);
+        epx_store_sums(out, a.out_align, total, i0, units, epx_lane());
     }
     if (a.has_weights) {
         float total[EPX_XN_MAX_K_PER_LANE] = {};
