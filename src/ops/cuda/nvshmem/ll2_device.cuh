@@ -72,15 +72,7 @@ static __device__ __noinline__ int64_t epx_ll2_wait_tag_slow(const uint64_t *wor
         if (*masked)
             return -1;
         if (epx_globaltimer() - start > (uint64_t)timeout_ns) {
-            atomicExch(mask + peer, 1);
-            if (atomicCAS(mask + world, 0, 1) == 0) {
-                volatile epx_ll_fail_t *f = fail;
-                f->stage = stage;
-                f->peer = peer;
-                __threadfence_system();
-                f->code = 1;
-                __threadfence_system();
-            }
+            epx_ll_give_up(mask, world, peer, fail, stage);
             return -1;
         }
     }

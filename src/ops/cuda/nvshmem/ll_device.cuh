@@ -74,6 +74,25 @@ __device__ __forceinline__ void epx_ll_put_int(const epx_ll_shape_t &s, int r, s
 }
 
 /*
+ * A wait gave up on `peer`: mask it, and write the failure record (stage, peer) unless an
+ * earlier failure did; mask[world] claims the record, so the first failure is the one
+ * reported.
+ */
+__device__ __forceinline__ void epx_ll_give_up(int32_t *mask, int world, int peer,
+                                               epx_ll_fail_t *fail, int stage)
+{
+    atomicExch(mask + peer, 1);
+    if (atomicCAS(mask + world, 0, 1) == 0) {
+        volatile epx_ll_fail_t *f = fail;
+        f->stage = stage;
+        f->peer = peer;
+        __threadfence_system();
+        f->code = 1;
+        __threadfence_system();
+    }
+}
+
+/*
  * Wait until *flag >= target. Returns 1 when it got there, 0 when the peer is (or
  * becomes) masked: by another block, by the host, or here after the timeout, which
  * also writes the failure record once (the host reports it, naming the rank).
@@ -95,16 +114,7 @@ static __device__ __noinline__ int epx_ll_wait(const uint64_t *flag, uint64_t ta
         if (*masked)
             return 0;
         if (epx_globaltimer() - start > (uint64_t)timeout_ns) {
-            atomicExch(mask + peer, 1);
-            /* mask[world] claims the record: the first failure is the one reported. */
-            if (atomicCAS(mask + world, 0, 1) == 0) {
-                volatile epx_ll_fail_t *f = fail;
-                f->stage = stage;
-                f->peer = peer;
-                __threadfence_system();
-                f->code = 1;
-                __threadfence_system();
-            }
+            epx_ll_give_up(mask, world, peer, fail, stage);
             return 0;
         }
     }
