@@ -13,7 +13,9 @@
  * Send: wait until the home ranks released this slot's previous combine, then
  *   - x already in the combine input, no pushes (the usual case): one block raises the
  *     "outputs ready" flags and gives the step's dispatch results back, nothing else
- *     (the host launches a single block for a send alone);
+ *     (the host launches a single block for a send alone; in a launch that also
+ *     receives, warp 0 of block 0 does it while the block's other warps load the
+ *     receive's first routing batch);
  *   - otherwise the grid's warps copy x into the combine input (x elsewhere) and push the
  *     rows of homes reached by puts; the last block raises the flags of the pulling homes
  *     and gives the dispatch results back.
@@ -62,12 +64,11 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
         /* The outputs are in place already (written by earlier kernels of this stream):
          * the pulling homes may read them now. */
         if (blockIdx.x == 0) {
-            for (int r = threadIdx.x; r < R; r += blockDim.x) {
-                if (ok[r] && s.peer[r] != NULL) {
-                    __threadfence_system();
+            /* A release store each, cumulative over the rows: no fence before it (a
+             * system-scope fence here measured 12 us slower a step, docs/PERFORMANCE.md). */
+            for (int r = threadIdx.x; r < R; r += blockDim.x)
+                if (ok[r] && s.peer[r] != NULL)
                     epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
-                }
-            }
             epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
         }
         if (!moves) {
@@ -135,25 +136,47 @@ struct recv_smem_t {
     int32_t *ok;         /* [R] */
 };
 
+__device__ __forceinline__ recv_smem_t recv_smem(char *smem, int k, int stages)
+{
+    const int tc = EPX_LL2_ROUTE_TOKENS;
+    recv_smem_t m;
+    m.stages = reinterpret_cast<int4 *>(smem);
+    m.row = reinterpret_cast<uint64_t *>(smem + epx_ll2_combine_stage_bytes(stages));
+    m.weight = reinterpret_cast<float *>(m.row + tc * k);
+    m.expert = reinterpret_cast<int32_t *>(m.weight + tc * k);
+    m.valid = m.expert + tc * k;
+    m.ok = m.valid + tc;
+    return m;
+}
+
 /*
  * Routing of tokens [b0, b0 + n): every entry's expert and weight, then its row address
  * (0 when it adds nothing: -1, or its rank masked now). A token sent one row per
  * distinct expert, at the first top-k position naming it.
  */
+__device__ __forceinline__ void routing_sync(int bar, int threads)
+{
+    if (bar == 0)
+        __syncthreads();
+    else
+        asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
+}
+
 __device__ void load_routing(const epx_ll_shape_t &s, const epx_ll_op_t &op, const recv_smem_t &m,
-                             int64_t b0, int n)
+                             int64_t b0, int n, int tid = (int)threadIdx.x,
+                             int threads = (int)blockDim.x, int bar = 0)
 {
     const int k = s.topk, L = s.num_local;
     const size_t row_bytes = (size_t)s.hidden * 2, slot_base = s.slot[op.slot];
-    for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+    for (int i = tid; i < n * k; i += threads) {
         const int64_t t = b0 + i / k;
         const int j = i % k;
         m.expert[i] = (int32_t)op.topk_idx[t * op.idx_stride + j];
         m.weight[i] = op.weights[t * op.weight_stride + j];
     }
-    __syncthreads();
+    routing_sync(bar, threads);
     const int32_t *send_pos = reinterpret_cast<const int32_t *>(s.local[op.slot] + s.send_pos);
-    for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
+    for (int i = tid; i < n * k; i += threads) {
         const int e = m.expert[i];
         m.row[i] = 0;
         if (e < 0)
@@ -181,7 +204,7 @@ __device__ void load_routing(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
         }
         m.row[i] = reinterpret_cast<uint64_t>(row);
     }
-    __syncthreads();
+    routing_sync(bar, threads);
 }
 
 /* Compact each token's entries to the valid ones (their rank answered), in top-k order. */
@@ -341,21 +364,82 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
     }
 }
 
+/*
+ * The same reduction over (token, 512-channel chunk) units (EPX_LL_COMBINE_RECV=3): each
+ * lane sums 16 channels, two 16-byte pieces of each row 256 channels apart, so a warp has
+ * the loads of up to 8 rows x 2 pieces (16 a lane) in flight before it sums any, with one
+ * row address per row. Same sums, in the same top-k order, as reduce_batch.
+ */
+__device__ void reduce_batch_wide(const epx_ll_shape_t &s, const epx_ll_op_t &op,
+                                  const recv_smem_t &m, int64_t b0, int n)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
+    const int chunks = (int)((s.hidden + 511) / 512);
+    const int units = n * chunks;
+    for (int u = warp; u < units; u += EPX_LL_WARPS) {
+        const int entry = (u / chunks) * k; /* the token's first routing entry */
+        const int c0 = (u % chunks) * 512 + lane * 8, c1 = c0 + 256;
+        const bool has0 = c0 < s.hidden, has1 = c1 < s.hidden;
+        const int valid = has0 ? m.valid[u / chunks] : 0;
+        float acc0[8], acc1[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            acc0[i] = 0.0f;
+            acc1[i] = 0.0f;
+        }
+        for (int g = 0; g < valid; g += 8) {
+            int4 raw0[8], raw1[8];
+#pragma unroll
+            for (int b = 0; b < 8; b++) {
+                if (g + b < valid) {
+                    const int4 *row = reinterpret_cast<const int4 *>(m.row[entry + g + b]);
+                    raw0[b] = __ldcg(row + c0 / 8);
+                    if (has1)
+                        raw1[b] = __ldcg(row + c1 / 8);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < 8; b++) {
+                if (g + b >= valid)
+                    break;
+                const float w = m.weight[entry + g + b];
+                const __nv_bfloat16 *y0 = reinterpret_cast<const __nv_bfloat16 *>(&raw0[b]);
+                const __nv_bfloat16 *y1 = reinterpret_cast<const __nv_bfloat16 *>(&raw1[b]);
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    acc0[i] = __fadd_rn(acc0[i], __fmul_rn(w, __bfloat162float(y0[i])));
+                    acc1[i] = __fadd_rn(acc1[i], __fmul_rn(w, __bfloat162float(y1[i])));
+                }
+            }
+        }
+        const int64_t token = b0 + u / chunks;
+        char *out = reinterpret_cast<char *>(op.out) + (size_t)token * op.out_stride * 2;
+        int4 packed;
+        __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+        if (has0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o[i] = __float2bfloat16_rn(acc0[i]);
+            epx_st_v4(out + (size_t)c0 * 2, packed);
+        }
+        if (has1) {
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                o[i] = __float2bfloat16_rn(acc1[i]);
+            epx_st_v4(out + (size_t)c1 * 2, packed);
+        }
+    }
+}
+
 template <int kLoads>
 __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
-                             int stages)
+                             int stages, int routed = 0)
 {
     extern __shared__ __align__(16) char smem[];
     __shared__ int last;
     const int R = s.world, k = s.topk, slot = op.slot;
     const int tc = EPX_LL2_ROUTE_TOKENS;
-    recv_smem_t m;
-    m.stages = reinterpret_cast<int4 *>(smem);
-    m.row = reinterpret_cast<uint64_t *>(smem + epx_ll2_combine_stage_bytes(stages));
-    m.weight = reinterpret_cast<float *>(m.row + tc * k);
-    m.expert = reinterpret_cast<int32_t *>(m.weight + tc * k);
-    m.valid = m.expert + tc * k;
-    m.ok = m.valid + tc;
+    const recv_smem_t m = recv_smem(smem, k, stages);
     const int64_t T = op.tokens, per = (T + gridDim.x - 1) / gridDim.x;
     const int64_t t0 = min(T, (int64_t)blockIdx.x * per), t1 = min(T, t0 + per);
     char *own = s.sym + s.slot[slot];
@@ -363,7 +447,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     if (!fused)
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
     /* The first batch's routing before the waits (it needs only this rank's memory). */
-    if (t0 < t1)
+    if (t0 < t1 && !routed)
         load_routing(s, op, m, t0, (int)min((int64_t)tc, t1 - t0));
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_ROUTED);
     /* Pulled ranks: their "outputs ready" flag; pushing ranks: the rows they push, as
@@ -389,7 +473,9 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
         if (b0 != t0)
             load_routing(s, op, m, b0, n);
         compact_routing(s, m, n);
-        if (kLoads == 2)
+        if (kLoads == 3)
+            reduce_batch_wide(s, op, m, b0, n);
+        else if (kLoads == 2)
             reduce_batch_loads(s, op, m, b0, n);
         else
             reduce_batch(s, op, m, b0, n, stages);
@@ -413,6 +499,45 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_DONE);
 }
 
+/*
+ * Block 0 of a combine that sends and receives in one launch with its rows in place
+ * (nothing moves in the send): warp 0 waits for the release, raises the "outputs ready"
+ * flags and gives the dispatch results back, while the other warps load the receive's
+ * first routing batch (named barrier 1); then the block receives like every other. The
+ * send no longer delays block 0's share of the sums (measured 5 us a step,
+ * docs/PERFORMANCE.md).
+ */
+template <int kLoads>
+__device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
+                                       int stages)
+{
+    extern __shared__ __align__(16) char smem[];
+    const int R = s.world, slot = op.slot;
+    epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
+    if (threadIdx.x < 32) {
+        for (int r = threadIdx.x; r < R; r += 32) {
+            int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+            if (alive && seq > 1)
+                alive = epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_COMBINE_DONE, slot, r), seq - 1,
+                                    s.mask, R, r, s.fail, s.timeout_ns, EPX_LL_STAGE_COMBINE_RELEASE);
+            if (alive && s.peer[r] != NULL)
+                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
+        }
+        __syncwarp();
+        epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_RELEASED);
+        epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
+        epx_ll_give_back<true>(s, slot, epx_ll_seq(s, slot, 0));
+    } else {
+        const int64_t T = op.tokens, first = min(T, (T + gridDim.x - 1) / gridDim.x);
+        if (first > 0)
+            load_routing(s, op, recv_smem(smem, s.topk, stages), 0,
+                         (int)min((int64_t)EPX_LL2_ROUTE_TOKENS, first), (int)threadIdx.x - 32,
+                         (int)blockDim.x - 32, 1);
+    }
+    __syncthreads();
+    combine_recv<kLoads>(s, op, seq, 1, stages, 1);
+}
+
 } // namespace
 
 /*
@@ -429,6 +554,12 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
         /* Read by every block before it counts itself done in the receive. */
         const uint64_t seq = epx_ll_seq(s, op.slot, 1) + 1;
         const int fused = (run & EPX_LL_RUN_RECV) != 0;
+        const int moves = s.use_puts || reinterpret_cast<const char *>(op.x) !=
+                                            s.sym + s.slot[op.slot] + s.combine_in;
+        if (fused && !moves && blockIdx.x == 0) {
+            combine_flags_and_recv<kLoads>(s, op, seq, stages);
+            return;
+        }
         combine_send(s, op, seq, fused);
         if (fused) {
             __syncthreads();
@@ -447,7 +578,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
  */
 static void (*combine_kernel(int recv))(epx_ll_shape_t, epx_ll_op_t, int, int)
 {
-    return recv == 1 ? epx::ll2::combine<1> : epx::ll2::combine<2>;
+    return recv == 1 ? epx::ll2::combine<1> : recv == 2 ? epx::ll2::combine<2> : epx::ll2::combine<3>;
 }
 
 /*
@@ -471,7 +602,7 @@ extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
     const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
     const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
     /* Loads into registers (EPX_LL_COMBINE_RECV 2): no stages. */
-    s->stages = s->combine_recv == 2 ? 0 : EPX_LL2_MAX_STAGES;
+    s->stages = s->combine_recv >= 2 ? 0 : EPX_LL2_MAX_STAGES;
     while (s->stages > 1 &&
            epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
         s->stages--;

@@ -157,16 +157,21 @@ __device__ __forceinline__ uint64_t epx_ll_seq(const epx_ll_shape_t &s, int slot
 /*
  * This rank is done with the results of dispatch `value` of `slot` (they lie in the
  * slot's cells, which the sources write): tell every unmasked peer, once. Every thread
- * of one block calls it.
+ * of one block calls it, or (kWarp) every lane of warp 0 alone.
  */
+template <bool kWarp = false>
 __device__ __forceinline__ void epx_ll_give_back(const epx_ll_shape_t &s, int slot, uint64_t value)
 {
     if (value == 0 || epx_ld_volatile_u64(s.released + slot) >= value)
         return;
-    for (int r = threadIdx.x; r < s.world; r += blockDim.x)
+    const int stride = kWarp ? 32 : (int)blockDim.x;
+    for (int r = threadIdx.x; r < s.world; r += stride)
         if (!*reinterpret_cast<volatile int32_t *>(s.mask + r))
             epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, value);
-    __syncthreads();
+    if (kWarp)
+        __syncwarp();
+    else
+        __syncthreads();
     if (threadIdx.x == 0)
         s.released[slot] = value;
 }
