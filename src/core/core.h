@@ -117,10 +117,9 @@ void epx__log_set_rank(int rank);
     X(LL_KERNELS, INT, 2, 1, 2,                                                             \
       "Low-latency CUDA kernels: 1 = receive packs the rows, 2 = rows placed once by the " \
       "sender (docs/LOW_LATENCY.md)")                                                        \
-    X(LL_COMBINE_RECV, INT, 2, 1, 3,                                                        \
+    X(LL_COMBINE_RECV, INT, 2, 1, 2,                                                        \
       "Low-latency kernels 2, combine receive: 1 = cp.async stages through shared memory, " \
-      "2 = loads into registers (faster, docs/PERFORMANCE.md), 3 = the same over 512-channel " \
-      "units (16 loads a lane in flight)")                                                  \
+      "2 = loads into registers, 16 a lane in flight (faster, docs/PERFORMANCE.md)")       \
     X(LL_TRACE, STRING, "", 0, 0,                                                           \
       "Developers: low-latency kernels 2 record phase times; written to <value>.<rank> when " \
       "the buffer is destroyed (scripts/ll-trace reads them)")                              \

@@ -179,10 +179,10 @@ params_bad_value)
     run env EPX_TIMEOUT_MS=abc "$EPX" params
     expect_rc 1
     expect_err 'epx params: EPX_ERR_INVALID_ARG: .*EPX_TIMEOUT_MS'
-    # The low-latency combine receive's loads: 1, 2 or 3.
-    run env EPX_LL_COMBINE_RECV=4 "$EPX" params
+    # The low-latency combine receive's loads: 1 or 2.
+    run env EPX_LL_COMBINE_RECV=3 "$EPX" params
     expect_rc 1
-    expect_err 'EPX_LL_COMBINE_RECV=4 is out of range; expected an integer in \[1, 3\]'
+    expect_err 'EPX_LL_COMBINE_RECV=3 is out of range; expected an integer in \[1, 2\]'
     ;;
 version)
     run "$EPX" version

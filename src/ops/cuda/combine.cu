@@ -51,8 +51,7 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
         slot->ready_offset = a.x_offset;
         slot->ready_stride = a.x_stride;
         slot->ready_rows = a.x_rows;
-        __threadfence_system();
-        epx_st_release_sys(&slot->ready_flag, seq);
+        epx_st_release_sys(&slot->ready_flag, seq); /* a release: covers the three above */
     }
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);

@@ -26,6 +26,18 @@ __device__ __forceinline__ void epx_st_release_sys(uint64_t *p, uint64_t v)
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/*
+ * A release-acquire fence at system scope (fence.acq_rel.sys): with a strong write after
+ * it, a release of everything before it; with a strong read before it, an acquire.
+ * __threadfence_system() is the sequentially consistent fence (fence.sc.sys), which
+ * nothing here needs and which measured far dearer with 8 processes on one GPU: one per
+ * low-latency combine cost 12 us a step (docs/PERFORMANCE.md).
+ */
+__device__ __forceinline__ void epx_fence_acq_rel_sys()
+{
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 /* A plain load that is never cached or merged by the compiler (polling). */
 __device__ __forceinline__ uint64_t epx_ld_volatile_u64(const uint64_t *p)
 {
@@ -200,23 +212,23 @@ __device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t tar
  * The last-block barrier. Called by every thread of every block at the end of its work:
  * returns nonzero in exactly one block, the last to arrive, once every block's writes
  * (peer memory included) are visible at system scope. Resets the counter for the next
- * launch. Fences: each thread's own before the block barrier, then thread 0's
- * (cumulative over the block) before it counts; the normal-mode kernels used the first,
- * the low-latency kernels the second, and this keeps both. `flag` is a __shared__ int of
+ * launch. Fences (release-acquire at system scope): each thread's own before the block
+ * barrier, then thread 0's (cumulative over the block) before it counts; the normal-mode
+ * kernels used the first, the low-latency kernels the second, and this keeps both. `flag` is a __shared__ int of
  * the calling kernel (a function-scope __shared__ here would make the host compiler emit
  * C++ static-guard calls into a C program).
  */
 __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
 {
-    __threadfence_system();
+    epx_fence_acq_rel_sys();
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        epx_fence_acq_rel_sys();
         uint32_t arrived = atomicAdd(counter, 1u);
         *flag = arrived == gridDim.x - 1;
         if (*flag) {
             atomicExch(counter, 0u);
-            __threadfence_system();
+            epx_fence_acq_rel_sys();
         }
     }
     __syncthreads();

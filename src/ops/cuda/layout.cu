@@ -82,7 +82,7 @@ __device__ void epx_notify_send(const epx__cuda_shape_t &s, const epx__cuda_noti
         }
         if (lane == 0)
             slot->status[parity] = status;
-        __threadfence_system();
+        epx_fence_acq_rel_sys();
         __syncwarp();
         if (lane == 0)
             epx_st_release_sys(&slot->count_flag[parity], seq);

@@ -96,7 +96,7 @@ typedef struct {
     int rank, world, num_local, num_experts, topk;
     int blocks;       /* the SM budget: grid size of every kernel */
     int kernels;      /* 1: cells packed by the receive; 2: rows placed once (ll2_*.cu) */
-    int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-3) */
+    int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-2) */
     int stages;       /* kernels 2: the combine receive's copy stages (shared memory; 0 for
                          loads into registers) */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */

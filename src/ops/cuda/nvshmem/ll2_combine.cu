@@ -312,65 +312,14 @@ __device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
 
 /*
  * The same reduction with loads into registers (EPX_LL_COMBINE_RECV=2, the default): each
- * warp takes one (token, 256-channel chunk) unit at a time and issues the loads of up to 8
- * of its rows (16 bytes a lane, L2 only: the rows come from peers) before it sums any.
- * Same sums, in the same top-k order, as reduce_batch. Measured faster than the copy
- * stages and than two units in flight (which needs more than the 128 registers a thread
- * of a 512-thread block has), docs/PERFORMANCE.md.
+ * warp takes one (token, 512-channel chunk) unit at a time, each lane 16 channels (two
+ * 16-byte pieces of each row, 256 channels apart), and issues the loads of up to 8 of the
+ * unit's rows (16 loads a lane, L2 only: the rows come from peers; one row address per row)
+ * before it sums any. Same sums, in the same top-k order, as reduce_batch. Measured faster
+ * than the copy stages, than 256-channel units (8 loads a lane in flight) and than two such
+ * units a warp, docs/PERFORMANCE.md.
  */
 __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &op,
-                                   const recv_smem_t &m, int64_t b0, int n)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
-    const int chunks = (int)((s.hidden + 255) / 256);
-    const int units = n * chunks;
-    for (int u = warp; u < units; u += EPX_LL_WARPS) {
-        const int entry = (u / chunks) * k; /* the token's first routing entry */
-        const int channel = (u % chunks) * 256 + lane * 8;
-        const int valid = channel < s.hidden ? m.valid[u / chunks] : 0;
-        float acc[8];
-        for (int g = 0; g < k; g += 8) {
-            int4 raw[8];
-#pragma unroll
-            for (int b = 0; b < 8; b++) {
-                if (g + b < valid) {
-                    const char *row = reinterpret_cast<const char *>(m.row[entry + g + b]);
-                    raw[b] = __ldcg(reinterpret_cast<const int4 *>(row) + channel / 8);
-                }
-            }
-#pragma unroll
-            for (int b = 0; b < 8; b++) {
-                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
-                const float w = g + b < valid ? m.weight[entry + g + b] : 0.0f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    if (g + b == 0)
-                        acc[i] = 0.0f;
-                    if (g + b < valid)
-                        acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
-                }
-            }
-        }
-        if (channel >= s.hidden)
-            continue;
-        int4 packed;
-        __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
-#pragma unroll
-        for (int i = 0; i < 8; i++) /* acc was zeroed at g + b == 0 (k >= 1 always) */
-            o[i] = __float2bfloat16_rn(k > 0 ? acc[i] : 0.0f);
-        const int64_t token = b0 + u / chunks;
-        epx_st_v4(reinterpret_cast<char *>(op.out) + ((size_t)token * op.out_stride + channel) * 2,
-                  packed);
-    }
-}
-
-/*
- * The same reduction over (token, 512-channel chunk) units (EPX_LL_COMBINE_RECV=3): each
- * lane sums 16 channels, two 16-byte pieces of each row 256 channels apart, so a warp has
- * the loads of up to 8 rows x 2 pieces (16 a lane) in flight before it sums any, with one
- * row address per row. Same sums, in the same top-k order, as reduce_batch.
- */
-__device__ void reduce_batch_wide(const epx_ll_shape_t &s, const epx_ll_op_t &op,
                                   const recv_smem_t &m, int64_t b0, int n)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
@@ -473,9 +422,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
         if (b0 != t0)
             load_routing(s, op, m, b0, n);
         compact_routing(s, m, n);
-        if (kLoads == 3)
-            reduce_batch_wide(s, op, m, b0, n);
-        else if (kLoads == 2)
+        if (kLoads == 2)
             reduce_batch_loads(s, op, m, b0, n);
         else
             reduce_batch(s, op, m, b0, n, stages);
@@ -578,7 +525,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
  */
 static void (*combine_kernel(int recv))(epx_ll_shape_t, epx_ll_op_t, int, int)
 {
-    return recv == 1 ? epx::ll2::combine<1> : recv == 2 ? epx::ll2::combine<2> : epx::ll2::combine<3>;
+    return recv == 1 ? epx::ll2::combine<1> : epx::ll2::combine<2>;
 }
 
 /*
@@ -602,7 +549,7 @@ extern "C" int epx_ll2_prepare(epx_ll_shape_t *s)
     const size_t dynamic = (size_t)optin - attributes.sharedSizeBytes;
     const int both = EPX_LL_RUN_SEND | EPX_LL_RUN_RECV;
     /* Loads into registers (EPX_LL_COMBINE_RECV 2): no stages. */
-    s->stages = s->combine_recv >= 2 ? 0 : EPX_LL2_MAX_STAGES;
+    s->stages = s->combine_recv == 2 ? 0 : EPX_LL2_MAX_STAGES;
     while (s->stages > 1 &&
            epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, both) > dynamic)
         s->stages--;

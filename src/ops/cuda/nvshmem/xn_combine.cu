@@ -38,8 +38,7 @@ __global__ void __launch_bounds__(64) epx_xn_ready_kernel(epx__cuda_shape_t s,
         slot->ready_offset = a.x_offset;
         slot->ready_stride = a.x_stride;
         slot->ready_rows = a.x_rows;
-        __threadfence_system();
-        epx_st_release_sys(&slot->ready_flag, seq);
+        epx_st_release_sys(&slot->ready_flag, seq); /* a release: covers the three above */
     }
     for (int node = threadIdx.x; node < N; node += blockDim.x)
         if (node != my_node)

@@ -295,7 +295,7 @@ __device__ __forceinline__ void epx_xn_ring_credits(const epx__cuda_shape_t &s,
                     atomicExch(ring.done + at, 0u);
                     atomicExch(reinterpret_cast<unsigned long long *>(ring.arrived + at), 0ull);
                 }
-                __threadfence_system();
+                epx_fence_acq_rel_sys(); /* the chunk's reads, before its credit goes back */
                 epx_xn_test_sleep(s.xn_test_delay_ns, (uint64_t)at * 131 + (uint64_t)head[i]);
                 nvshmemx_signal_op(ring.credit + my_node, (uint64_t)size, NVSHMEM_SIGNAL_ADD,
                                    epx_xn_partner(s, node[i]));
