@@ -1,0 +1,262 @@
+/*
+ * epx_ll_access: the low-latency kernels' memory access, alone, to measure what the GPU
+ * gives that pattern (docs/PERFORMANCE.md, "Peers' memory vs own memory"). Not part of
+ * the library; scripts/gpu-ll-access builds it and runs RANKS processes of it on one GPU
+ * under MPS.
+ *
+ * Each process owns a region laid out like a rank's low-latency rows (32 experts x 1024
+ * rows of 14,336 bytes) and maps every other process's through CUDA IPC. Its 128 tokens
+ * each pick 8 distinct experts of the 32 x RANKS (a seeded draw). Patterns, each timed
+ * over 300 launches of 16 blocks of 512 threads, reading or writing either the process's
+ * own region or the experts' owners' (the same offsets):
+ *   gather:  the combine's receive: a warp takes a (token, 512-byte piece) unit, loads
+ *            the piece of the token's 8 rows (16 bytes a lane each) and stores their
+ *            integer sum; "1 unit" keeps 8 loads a lane in flight, "2 units" 16;
+ *   scatter: the dispatch's send: a warp loads 512 bytes of a 7,168-byte source row and
+ *            stores them to the token's 8 rows; 4 such loads a lane in flight.
+ *
+ *   epx_ll_access RANK RANKS DIR   (DIR: a directory the processes share, for the IPC
+ *                                   handles and the barriers between patterns)
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int kRowBytes = 14336, kFp8RowBytes = 7168, kTopk = 8, kTokens = 128;
+constexpr int kLocalExperts = 32, kRowsPerExpert = 1024, kBlocks = 16, kThreads = 512;
+constexpr int kLaunches = 300;
+
+#define CHECK_CUDA(call)                                                                   \
+    do {                                                                                   \
+        cudaError_t err_ = (call);                                                         \
+        if (err_ != cudaSuccess) {                                                         \
+            fprintf(stderr, "epx_ll_access: %s: %s\n", #call, cudaGetErrorString(err_));   \
+            exit(1);                                                                       \
+        }                                                                                  \
+    } while (0)
+
+/* The block's tokens: a contiguous range, as the low-latency kernels split them. */
+__device__ __forceinline__ void block_tokens(int *t0, int *t1)
+{
+    const int per = (kTokens + gridDim.x - 1) / gridDim.x;
+    *t0 = min(kTokens, (int)blockIdx.x * per);
+    *t1 = min(kTokens, *t0 + per);
+}
+
+template <int kUnits>
+__global__ void __launch_bounds__(kThreads) gather(const char *const *rows, char *out)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int pieces = kRowBytes / 512;
+    int t0, t1;
+    block_tokens(&t0, &t1);
+    const int units = (t1 - t0) * pieces;
+    for (int u0 = warp; u0 < units; u0 += warps * kUnits) {
+        int4 v[kUnits][kTopk];
+#pragma unroll
+        for (int d = 0; d < kUnits; d++) {
+            const int u = u0 + d * warps;
+            if (u >= units)
+                break;
+            const int t = t0 + u / pieces, piece = u % pieces;
+#pragma unroll
+            for (int j = 0; j < kTopk; j++)
+                v[d][j] = __ldcg(reinterpret_cast<const int4 *>(rows[t * kTopk + j] + piece * 512) + lane);
+        }
+#pragma unroll
+        for (int d = 0; d < kUnits; d++) {
+            const int u = u0 + d * warps;
+            if (u >= units)
+                break;
+            const int t = t0 + u / pieces, piece = u % pieces;
+            int4 sum = make_int4(0, 0, 0, 0);
+#pragma unroll
+            for (int j = 0; j < kTopk; j++) {
+                sum.x += v[d][j].x;
+                sum.y += v[d][j].y;
+                sum.z += v[d][j].z;
+                sum.w += v[d][j].w;
+            }
+            reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kThreads) scatter(const char *x, char *const *rows)
+{
+    constexpr int kDepth = 4;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int pieces = kFp8RowBytes / 512;
+    int t0, t1;
+    block_tokens(&t0, &t1);
+    const int items = (t1 - t0) * pieces;
+    for (int i0 = warp; i0 < items; i0 += warps * kDepth) {
+        int4 v[kDepth];
+#pragma unroll
+        for (int d = 0; d < kDepth; d++) {
+            const int i = i0 + d * warps;
+            if (i < items)
+                v[d] = __ldg(reinterpret_cast<const int4 *>(x + (size_t)(t0 + i / pieces) * kFp8RowBytes +
+                                                            (i % pieces) * 512) + lane);
+        }
+#pragma unroll
+        for (int d = 0; d < kDepth; d++) {
+            const int i = i0 + d * warps;
+            if (i >= items)
+                break;
+            const int t = t0 + i / pieces, piece = i % pieces;
+            for (int j = 0; j < kTopk; j++)
+                reinterpret_cast<int4 *>(rows[t * kTopk + j] + piece * 512)[lane] = v[d];
+        }
+    }
+}
+
+/* Every process reaches `name` before any goes on (files in the shared directory). */
+void barrier(const std::string &dir, const std::string &name, int rank, int ranks)
+{
+    const std::string prefix = dir + "/" + name + ".";
+    FILE *f = fopen((prefix + std::to_string(rank)).c_str(), "w");
+    if (f == NULL) {
+        perror("epx_ll_access: barrier file");
+        exit(1);
+    }
+    fclose(f);
+    for (int waited_ms = 0;; waited_ms++) {
+        int there = 0;
+        for (int r = 0; r < ranks; r++)
+            there += access((prefix + std::to_string(r)).c_str(), F_OK) == 0;
+        if (there == ranks)
+            return;
+        if (waited_ms > 120000) {
+            fprintf(stderr, "epx_ll_access: rank %d: the others never reached %s\n", rank,
+                    name.c_str());
+            exit(1);
+        }
+        usleep(1000);
+    }
+}
+
+/* This process's region and every other's, mapped (index = rank). */
+std::vector<char *> map_regions(char *mine, int rank, int ranks, const std::string &dir)
+{
+    cudaIpcMemHandle_t handle;
+    CHECK_CUDA(cudaIpcGetMemHandle(&handle, mine));
+    const std::string path = dir + "/handle.";
+    FILE *f = fopen((path + std::to_string(rank)).c_str(), "wb");
+    if (f == NULL || fwrite(&handle, sizeof handle, 1, f) != 1) {
+        perror("epx_ll_access: handle file");
+        exit(1);
+    }
+    fclose(f);
+    barrier(dir, "handles", rank, ranks);
+    std::vector<char *> base(ranks);
+    for (int r = 0; r < ranks; r++) {
+        if (r == rank) {
+            base[r] = mine;
+            continue;
+        }
+        f = fopen((path + std::to_string(r)).c_str(), "rb");
+        if (f == NULL || fread(&handle, sizeof handle, 1, f) != 1) {
+            fprintf(stderr, "epx_ll_access: rank %d: no handle from rank %d\n", rank, r);
+            exit(1);
+        }
+        fclose(f);
+        void *mapped = NULL;
+        CHECK_CUDA(cudaIpcOpenMemHandle(&mapped, handle, cudaIpcMemLazyEnablePeerAccess));
+        base[r] = static_cast<char *>(mapped);
+    }
+    return base;
+}
+
+} // namespace
+
+int main(int argc, char **argv)
+{
+    if (argc != 4 || atoi(argv[2]) < 1 || atoi(argv[1]) < 0 || atoi(argv[1]) >= atoi(argv[2])) {
+        fprintf(stderr, "usage: epx_ll_access RANK RANKS DIR\n");
+        return 2;
+    }
+    const int rank = atoi(argv[1]), ranks = atoi(argv[2]);
+    const std::string dir = argv[3];
+    const size_t region = (size_t)kLocalExperts * kRowsPerExpert * kRowBytes;
+    char *mine, *out, *x, **rows_dev;
+    CHECK_CUDA(cudaMalloc(&mine, region));
+    CHECK_CUDA(cudaMemset(mine, rank + 1, region));
+    CHECK_CUDA(cudaMalloc(&out, (size_t)kTokens * kRowBytes));
+    CHECK_CUDA(cudaMalloc(&x, (size_t)kTokens * kFp8RowBytes));
+    CHECK_CUDA(cudaMemset(x, 3, (size_t)kTokens * kFp8RowBytes));
+    CHECK_CUDA(cudaMalloc(&rows_dev, sizeof(char *) * kTokens * kTopk));
+    const std::vector<char *> base = map_regions(mine, rank, ranks, dir);
+
+    /* Token t's row for expert e: at row (rank * kTokens + t) of e's rows at its owner. */
+    std::mt19937 draw(100 + rank);
+    std::vector<char *> peer_rows(kTokens * kTopk), own_rows(kTokens * kTopk);
+    for (int t = 0; t < kTokens; t++) {
+        int chosen[kTopk];
+        for (int j = 0; j < kTopk; j++) {
+            int e, again;
+            do {
+                e = (int)(draw() % (uint32_t)(kLocalExperts * ranks));
+                again = 0;
+                for (int q = 0; q < j; q++)
+                    again |= chosen[q] == e;
+            } while (again);
+            chosen[j] = e;
+            const size_t offset =
+                ((size_t)(e % kLocalExperts) * kRowsPerExpert + (size_t)rank * kTokens + t) * kRowBytes;
+            peer_rows[t * kTopk + j] = base[e / kLocalExperts] + offset;
+            own_rows[t * kTopk + j] = mine + offset;
+        }
+    }
+
+    static const char *const names[] = {
+        "gather, 1 unit (8 loads a lane), own memory  ", "gather, 1 unit (8 loads a lane), peers' memory",
+        "gather, 2 units (16 loads a lane), own memory", "gather, 2 units (16 loads a lane), peers' memory",
+        "scatter to 8 rows, own memory                ", "scatter to 8 rows, peers' memory             "};
+    for (int pattern = 0; pattern < 6; pattern++) {
+        const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
+        CHECK_CUDA(cudaMemcpy(rows_dev, rows.data(), sizeof(char *) * rows.size(), cudaMemcpyHostToDevice));
+        auto launch = [&]() {
+            if (pattern < 2)
+                gather<1><<<kBlocks, kThreads>>>(rows_dev, out);
+            else if (pattern < 4)
+                gather<2><<<kBlocks, kThreads>>>(rows_dev, out);
+            else
+                scatter<<<kBlocks, kThreads>>>(x, rows_dev);
+        };
+        for (int i = 0; i < 5; i++)
+            launch();
+        CHECK_CUDA(cudaDeviceSynchronize());
+        barrier(dir, "start" + std::to_string(pattern), rank, ranks);
+        cudaEvent_t begin, end;
+        CHECK_CUDA(cudaEventCreate(&begin));
+        CHECK_CUDA(cudaEventCreate(&end));
+        CHECK_CUDA(cudaEventRecord(begin));
+        for (int i = 0; i < kLaunches; i++)
+            launch();
+        CHECK_CUDA(cudaEventRecord(end));
+        CHECK_CUDA(cudaEventSynchronize(end));
+        CHECK_CUDA(cudaGetLastError());
+        float ms = 0;
+        CHECK_CUDA(cudaEventElapsedTime(&ms, begin, end));
+        ms /= kLaunches;
+        /* Bytes through memory per launch: rows read + outputs written, or source read +
+         * rows written. */
+        const double bytes = pattern < 4 ? (double)kTokens * (kTopk + 1) * kRowBytes
+                                         : (double)kTokens * (kTopk + 1) * kFp8RowBytes;
+        printf("%d  rank %d  %s  %7.1f us  %6.0f GB/s  (x %d processes: %6.0f GB/s)\n", pattern + 1,
+               rank, names[pattern], ms * 1e3, bytes / ms / 1e6, ranks, ranks * bytes / ms / 1e6);
+        fflush(stdout);
+        barrier(dir, "end" + std::to_string(pattern), rank, ranks);
+    }
+    return 0;
+}
