@@ -214,9 +214,9 @@ __device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t tar
  * (peer memory included) are visible at system scope. Resets the counter for the next
  * launch. Fences (release-acquire at system scope): each thread's own before the block
  * barrier, then thread 0's (cumulative over the block) before it counts; the normal-mode
- * kernels used the first, the low-latency kernels the second, and this keeps both. `flag` is a __shared__ int of
- * the calling kernel (a function-scope __shared__ here would make the host compiler emit
- * C++ static-guard calls into a C program).
+ * kernels used the first, the low-latency kernels the second, and this keeps both.
+ * `flag` is a __shared__ int of the calling kernel (a function-scope __shared__ here
+ * would make the host compiler emit C++ static-guard calls into a C program).
  */
 __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
 {

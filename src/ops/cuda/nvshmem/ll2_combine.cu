@@ -149,11 +149,7 @@ __device__ __forceinline__ recv_smem_t recv_smem(char *smem, int k, int stages)
     return m;
 }
 
-/*
- * Routing of tokens [b0, b0 + n): every entry's expert and weight, then its row address
- * (0 when it adds nothing: -1, or its rank masked now). A token sent one row per
- * distinct expert, at the first top-k position naming it.
- */
+/* The block barrier (bar 0), or named barrier `bar` of `threads` threads. */
 __device__ __forceinline__ void routing_sync(int bar, int threads)
 {
     if (bar == 0)
@@ -162,6 +158,12 @@ __device__ __forceinline__ void routing_sync(int bar, int threads)
         asm volatile("bar.sync %0, %1;" ::"r"(bar), "r"(threads) : "memory");
 }
 
+/*
+ * Routing of tokens [b0, b0 + n): every entry's expert and weight, then its row address
+ * (0 when it adds nothing: -1, or its rank masked now). A token sent one row per
+ * distinct expert, at the first top-k position naming it. Run by the whole block, or by
+ * `threads` threads numbered from `tid` = 0 that sync on named barrier `bar`.
+ */
 __device__ void load_routing(const epx_ll_shape_t &s, const epx_ll_op_t &op, const recv_smem_t &m,
                              int64_t b0, int n, int tid = (int)threadIdx.x,
                              int threads = (int)blockDim.x, int bar = 0)
@@ -320,7 +322,7 @@ __device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
  * units a warp, docs/PERFORMANCE.md.
  */
 __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &op,
-                                  const recv_smem_t &m, int64_t b0, int n)
+                                   const recv_smem_t &m, int64_t b0, int n)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = s.topk;
     const int chunks = (int)((s.hidden + 511) / 512);

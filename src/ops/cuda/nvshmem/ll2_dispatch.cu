@@ -102,12 +102,13 @@ struct send_ctx_t {
  * kDepth of them loaded before any is cast and stored (a warp's loads in flight at once);
  * fp8: 16 channels a lane (a 512-channel item), bf16: 8 (256).
  */
-template <bool kFp8, int kDepth>
+template <bool kFp8>
 __device__ void send_items(const epx_ll_shape_t &s, const epx_ll_op_t &op, const send_ctx_t &c,
                            const send_smem_t &m, int64_t c0, int n)
 {
     constexpr int kLaneChannels = kFp8 ? 16 : 8;
     constexpr int64_t kItemChannels = 32 * kLaneChannels;
+    constexpr int kDepth = kFp8 ? 4 : 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = c.k;
     const int64_t chunks = (s.hidden + kItemChannels - 1) / kItemChannels;
     const int64_t items = (int64_t)n * chunks;
@@ -445,9 +446,9 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         }
         __syncthreads();
         if (c.fp8)
-            send_items<true, 4>(s, op, c, m, c0, n);
+            send_items<true>(s, op, c, m, c0, n);
         else
-            send_items<false, 8>(s, op, c, m, c0, n);
+            send_items<false>(s, op, c, m, c0, n);
         __syncthreads();
     }
 
