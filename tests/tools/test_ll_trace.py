@@ -6,10 +6,11 @@ import subprocess
 import sys
 import tempfile
 
-CALLS, EVENTS, BLOCKS = 256, 8, 2
+CALLS, EVENTS, BLOCKS = 256, 9, 2
+RECEIVE = 7  # dispatch events from here on are the receive's: block 0's
 
 
-def write(prefix, rank, steps):
+def write(prefix, rank, steps, magic=b"EPXLLTR2"):
     times = [0] * (CALLS * 2 * BLOCKS * EVENTS)
     ids = [0] * (CALLS * 2)
     for step in range(steps):
@@ -20,13 +21,17 @@ def write(prefix, rank, steps):
             ids[call * 2 + kind] = op + 1
             for b in range(BLOCKS):
                 for ev in range(EVENTS if kind == 0 else 7):
-                    if kind == 0 and ev >= 6 and b != 0:
-                        continue  # the receive's events are block 0's
+                    if kind == 0 and ev >= RECEIVE and b != 0:
+                        # The receive's events are block 0's; block 1's slot keeps a time
+                        # an earlier operation left there (older than this one's start):
+                        # the reader must ignore it.
+                        times[((call * 2 + kind) * BLOCKS + b) * EVENTS + ev] = t0 - 5000 if t0 > 5000 else 0
+                        continue
                     # block 1 is 500 ns behind block 0 (the slowest block is reported)
                     times[((call * 2 + kind) * BLOCKS + b) * EVENTS + ev] = \
                         t0 + kind * 100_000 + ev * 1000 + b * 500 + 1
     with open(f"{prefix}.{rank}", "wb") as f:
-        f.write(struct.pack("<8s7q", b"EPXLLTR1", rank, 2, BLOCKS, CALLS, EVENTS, 2, 0))
+        f.write(struct.pack("<8s7q", magic, rank, 2, BLOCKS, CALLS, EVENTS, 2, 0))
         f.write(struct.pack(f"<{len(times) + len(ids)}Q", *times, *ids))
 
 
@@ -43,7 +48,8 @@ def main():
                 for line in out.splitlines() if line.split() and line.split()[0].isdigit()}
         assert sorted(rows) == [0, 1], rows
         for rank in (0, 1):
-            expect = [rank + 0.0] + [rank + ev + (0.5 if ev < 6 else 0.0) for ev in range(1, 8)] + \
+            expect = [rank + 0.0] + [rank + ev + (0.5 if ev < RECEIVE else 0.0)
+                                     for ev in range(1, EVENTS)] + \
                      [rank + 100.0] + [rank + 100 + ev + 0.5 for ev in range(1, 7)]
             assert rows[rank] == expect, (rank, rows[rank], expect)
         assert "5 steps" in out and "median 107.5 us" in out and "median 1000.0 us" in out, out
@@ -51,10 +57,26 @@ def main():
         phases = {line[:52].strip(): float(line.split()[-2]) for line in out.splitlines()
                   if line.startswith("  ") and line.rstrip().endswith(" us")
                   and "/" not in line}
-        assert phases["DISPATCH ROWS STORED"] == 1.0, phases          # base 3.5 -> stored 4.5
-        assert phases["dispatch start->base (routing, release, counts)"] == 3.5, phases
-        assert phases["kernel boundary (arrived->combine start)"] == 93.0, phases
+        assert phases["DISPATCH ROWS STORED"] == 1.0, phases          # base 4.5 -> stored 5.5
+        assert phases["dispatch start->routed (routing preamble)"] == 1.5, phases
+        assert phases["dispatch routed->base (release, counts)"] == 3.0, phases
+        assert phases["kernel boundary (arrived->combine start)"] == 92.0, phases
         assert phases["COMBINE ROWS SUMMED"] == 1.0, phases
+        # --blocks 1: rank 1's blocks; block 1 passed no receive event (its stale ones
+        # are ignored) and lags block 0 by 0.5 us elsewhere.
+        out = subprocess.run([sys.executable, script, prefix, "--blocks", "1"], check=True,
+                             capture_output=True, text=True).stdout
+        lines = out.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("rank 1, each block"))
+        block_rows = {int(line.split()[0]): line.split()[1:] for line in lines[at + 2:at + 4]}
+        assert block_rows[0][:EVENTS] == [f"{1 + ev:.1f}" for ev in range(EVENTS)], block_rows
+        assert block_rows[1][:EVENTS] == [f"{1 + ev + 0.5:.1f}" for ev in range(RECEIVE)] + \
+            ["-", "-"], block_rows
+        assert block_rows[1][EVENTS:] == [f"{101 + ev + 0.5:.1f}" for ev in range(7)], block_rows
+        old = os.path.join(tmp, "old")
+        write(old, 0, steps=1, magic=b"EPXLLTR1")
+        r = subprocess.run([sys.executable, script, old], capture_output=True, text=True)
+        assert r.returncode != 0 and "older layout" in r.stderr, r
         bad = os.path.join(tmp, "bad")
         with open(bad + ".0", "wb") as f:
             f.write(b"NOTATRACE" * 10)

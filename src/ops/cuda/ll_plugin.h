@@ -139,18 +139,19 @@ typedef struct {
  * same places.
  */
 #define EPX_LL_TRACE_CALLS 256
-#define EPX_LL_TRACE_EVENTS 8
+#define EPX_LL_TRACE_EVENTS 9
 enum { EPX_LL_TRACE_DISPATCH = 0, EPX_LL_TRACE_COMBINE = 1 };
 /* Dispatch events (the receive's two are block 0's). */
 enum {
     EPX_LL_TR_D_START = 0,     /* kernel entered */
-    EPX_LL_TR_D_RELEASED = 1,  /* receivers gave the slot back */
-    EPX_LL_TR_D_PUBLISHED = 2, /* this rank's counts published */
-    EPX_LL_TR_D_BASE = 3,      /* the lower ranks' counts in (the count exchange) */
-    EPX_LL_TR_D_STORED = 4,    /* the block's rows stored */
-    EPX_LL_TR_D_SENT = 5,      /* arrival counted (last block: puts issued too) */
-    EPX_LL_TR_D_COUNTS = 6,    /* receive: every source's counts read */
-    EPX_LL_TR_D_ARRIVED = 7    /* receive: every source's rows arrived */
+    EPX_LL_TR_D_ROUTED = 1,    /* the routing in shared memory (ids, duplicates marked) */
+    EPX_LL_TR_D_RELEASED = 2,  /* receivers gave the slot back */
+    EPX_LL_TR_D_PUBLISHED = 3, /* this rank's counts published */
+    EPX_LL_TR_D_BASE = 4,      /* the lower ranks' counts in (the count exchange) */
+    EPX_LL_TR_D_STORED = 5,    /* the block's rows stored */
+    EPX_LL_TR_D_SENT = 6,      /* arrival counted (last block: puts issued too) */
+    EPX_LL_TR_D_COUNTS = 7,    /* receive: every source's counts read */
+    EPX_LL_TR_D_ARRIVED = 8    /* receive: every source's rows arrived */
 };
 /* Combine events. */
 enum {

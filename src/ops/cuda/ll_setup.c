@@ -212,7 +212,7 @@ static epx_status_t create_trace(epx__cuda_ll_t *ll)
 }
 
 /*
- * Write the trace to <EPX_LL_TRACE>.<rank>: a header of 8 int64 (magic "EPXLLTR1" as
+ * Write the trace to <EPX_LL_TRACE>.<rank>: a header of 8 int64 (magic "EPXLLTR2" as
  * bytes, rank, world, blocks, calls, events, kernels, 0), then the trace's words
  * (ll_plugin.h). Best effort: a failure is logged, never an error.
  */
@@ -230,7 +230,7 @@ static void write_trace(const epx__cuda_ll_t *ll)
     if (file != NULL) {
         int64_t header[8] = {0, s->rank, s->world, s->blocks, EPX_LL_TRACE_CALLS,
                              EPX_LL_TRACE_EVENTS, s->kernels, 0};
-        memcpy(&header[0], "EPXLLTR1", 8);
+        memcpy(&header[0], "EPXLLTR2", 8);
         if (fwrite(header, sizeof(header), 1, file) != 1 ||
             fwrite(host, sizeof(uint64_t), words, file) != words)
             EPX_WARN(EPX_SUBSYS_OPS, "EPX_LL_TRACE: writing %s failed", path);

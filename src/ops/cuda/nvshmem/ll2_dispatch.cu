@@ -318,6 +318,11 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         }
     }
 
+    if (s.trace != NULL) { /* uniform in the block */
+        __syncthreads();
+        epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_ROUTED);
+    }
+
     /* 1. Release handshake (as kernels 1). */
     if (blockIdx.x == 0)
         epx_ll_give_back(s, c.slot, seq - 1);
