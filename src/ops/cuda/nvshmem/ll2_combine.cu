@@ -37,6 +37,18 @@
 
 namespace {
 
+/* Is x the combine input already (the zero-copy buffer of this slot)? Host and device. */
+__host__ __device__ __forceinline__ int combine_in_place(const epx_ll_shape_t &s, const epx_ll_op_t &op)
+{
+    return reinterpret_cast<const char *>(op.x) == s.sym + s.slot[op.slot] + s.combine_in;
+}
+
+/* Does the send move rows (copies of x into the combine input, or pushes by puts)? */
+__host__ __device__ __forceinline__ int combine_moves(const epx_ll_shape_t &s, const epx_ll_op_t &op)
+{
+    return s.use_puts || !combine_in_place(s, op);
+}
+
 /*
  * The send. Called by every block of the launch; blocks other than 0 return at once
  * when no row moves. Updates the sequence number unless `fused` (then the receive does).
@@ -52,8 +64,7 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     const size_t slot_base = s.slot[slot], row_bytes = (size_t)s.hidden * 2;
     char *own = s.sym + slot_base;
     const char *x = reinterpret_cast<const char *>(op.x);
-    const int in_place = x == own + s.combine_in;
-    const int moves = s.use_puts || !in_place;
+    const int in_place = combine_in_place(s, op), moves = combine_moves(s, op);
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
     if (!moves && blockIdx.x != 0)
         return;
@@ -503,8 +514,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
         /* Read by every block before it counts itself done in the receive. */
         const uint64_t seq = epx_ll_seq(s, op.slot, 1) + 1;
         const int fused = (run & EPX_LL_RUN_RECV) != 0;
-        const int moves = s.use_puts || reinterpret_cast<const char *>(op.x) !=
-                                            s.sym + s.slot[op.slot] + s.combine_in;
+        const int moves = combine_moves(s, op);
         if (fused && !moves && blockIdx.x == 0) {
             combine_flags_and_recv<kLoads>(s, op, seq, stages);
             return;
@@ -565,10 +575,8 @@ extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t
                                       void *stream)
 {
     size_t smem = epx_ll2_combine_smem(s->num_experts, s->topk, s->world, s->stages, run);
-    const char *own = s->sym + s->slot[op->slot];
-    const int moves = s->use_puts || (const char *)op->x != own + s->combine_in;
     /* A send alone that moves no row is one block's work (flags). */
-    const int blocks = (run == EPX_LL_RUN_SEND && !moves) ? 1 : s->blocks;
+    const int blocks = (run == EPX_LL_RUN_SEND && !combine_moves(*s, *op)) ? 1 : s->blocks;
     void (*kernel)(epx_ll_shape_t, epx_ll_op_t, int, int) = combine_kernel(s->combine_recv);
     kernel<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run, s->stages);
     return (int)cudaGetLastError();
