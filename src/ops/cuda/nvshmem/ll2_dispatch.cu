@@ -110,19 +110,22 @@ __device__ void send_items(const epx_ll_shape_t &s, const epx_ll_op_t &op, const
     constexpr int64_t kItemChannels = 32 * kLaneChannels;
     constexpr int kDepth = kFp8 ? 4 : 8;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, k = c.k;
-    const int64_t chunks = (s.hidden + kItemChannels - 1) / kItemChannels;
-    const int64_t items = (int64_t)n * chunks;
-    const int64_t lane_offset = (int64_t)lane * kLaneChannels;
+    /* 32-bit item arithmetic (n <= 32 tokens, hidden < 2^31): a 64-bit division is a
+     * long instruction sequence, and each item needs four. */
+    const int hidden = (int)s.hidden;
+    const int chunks = (hidden + (int)kItemChannels - 1) / (int)kItemChannels;
+    const int items = n * chunks;
+    const int lane_offset = lane * kLaneChannels;
     const char *x = reinterpret_cast<const char *>(op.x);
-    for (int64_t b0 = warp; b0 < items; b0 += (int64_t)kDepth * EPX_LL_WARPS) {
+    for (int b0 = warp; b0 < items; b0 += kDepth * EPX_LL_WARPS) {
         int4 lo[kDepth], hi[kDepth];
 #pragma unroll
         for (int u = 0; u < kDepth; u++) {
             lo[u] = make_int4(0, 0, 0, 0);
             hi[u] = lo[u];
-            const int64_t item = b0 + (int64_t)u * EPX_LL_WARPS;
-            const int64_t channel = (item % chunks) * kItemChannels + lane_offset;
-            if (item < items && channel < s.hidden) {
+            const int item = b0 + u * EPX_LL_WARPS;
+            const int channel = (item % chunks) * (int)kItemChannels + lane_offset;
+            if (item < items && channel < hidden) {
                 const char *row = x + (size_t)(c0 + item / chunks) * op.x_stride * 2;
                 lo[u] = epx_ld_nc_v4(row + channel * 2);
                 if (kFp8)
@@ -131,11 +134,11 @@ __device__ void send_items(const epx_ll_shape_t &s, const epx_ll_op_t &op, const
         }
 #pragma unroll
         for (int u = 0; u < kDepth; u++) {
-            const int64_t item = b0 + (int64_t)u * EPX_LL_WARPS; /* uniform in the warp */
+            const int item = b0 + u * EPX_LL_WARPS; /* uniform in the warp */
             if (item >= items)
                 break;
-            const int tt = (int)(item / chunks);
-            const int64_t channel = (item % chunks) * kItemChannels + lane_offset;
+            const int tt = item / chunks;
+            const int channel = (item % chunks) * (int)kItemChannels + lane_offset;
             float scale = 0.0f;
             int4 data = lo[u];
             if (kFp8) {
@@ -150,11 +153,11 @@ __device__ void send_items(const epx_ll_shape_t &s, const epx_ll_op_t &op, const
                     scale = __uint_as_float(word);
                 }
             }
-            if (channel >= s.hidden)
+            if (channel >= hidden)
                 continue;
             const size_t byte = (size_t)channel * (kFp8 ? 1 : 2);
             const int scale_writer = kFp8 && (c.ue8m0 ? lane == 0 : (lane & 7) == 0);
-            const int64_t group = c.ue8m0 ? item % chunks : channel / EPX__FP8_BLOCK;
+            const int group = c.ue8m0 ? item % chunks : channel / EPX__FP8_BLOCK;
             char *const *rows = m.dst_row + tt * k;
             char *const *scales = m.dst_scales + tt * k;
             for (int j = 0; j < k; j++) {
