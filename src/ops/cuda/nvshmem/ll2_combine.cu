@@ -395,7 +395,7 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
 
 template <int kLoads>
 __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
-                             int stages, int routed = 0)
+                             int stages, int routed = 0, int give_back = 0)
 {
     extern __shared__ __align__(16) char smem[];
     __shared__ int last;
@@ -446,13 +446,39 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     if (!epx_ll2_last_block(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
         return;
     /* Every block is done reading the expert ranks' memory: their slot is free. Every
-     * block read the counters' bases and the sequence number before counting itself. */
+     * block read the counters' bases and the sequence number before counting itself.
+     * When block 0's send left the give-back to the end (give_back: fused, nothing
+     * moved), this block also gives the dispatch results back, behind the same fence:
+     * one system-scope fence for both flags, where a release store each costs a fence
+     * each (about 4 us a fence here, docs/PERFORMANCE.md). */
+    const uint64_t give = give_back ? epx_ll_seq(s, slot, 0) : 0;
+    const int giving = give != 0 && epx_ld_volatile_u64(s.released + slot) < give;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        if (!m.ok[r])
+        const int unmasked = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+        char *peer = s.peer[r];
+        if (peer == NULL) {
+            if (m.ok[r]) {
+                s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
+                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
+            }
+            if (giving && unmasked)
+                epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, give);
             continue;
-        if (s.peer[r] == NULL)
-            s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
-        epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
+        }
+        epx_fence_acq_rel_sys();
+        if (m.ok[r])
+            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
+                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_COMBINE_DONE, slot, s.rank)),
+                                   seq);
+        if (giving && unmasked)
+            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
+                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_DISPATCH_DONE, slot, s.rank)),
+                                   give);
+    }
+    if (giving) {
+        __syncthreads();
+        if (threadIdx.x == 0)
+            s.released[slot] = give;
     }
     if (fused && threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
@@ -461,11 +487,11 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
 
 /*
  * Block 0 of a combine that sends and receives in one launch with its rows in place
- * (nothing moves in the send): warp 0 waits for the release, raises the "outputs ready"
- * flags and gives the dispatch results back, while the other warps load the receive's
- * first routing batch (named barrier 1); then the block receives like every other. The
- * send no longer delays block 0's share of the sums (measured 5 us a step,
- * docs/PERFORMANCE.md).
+ * (nothing moves in the send): warp 0 waits for the release and raises the "outputs
+ * ready" flags, while the other warps load the receive's first routing batch (named
+ * barrier 1); then the block receives like every other. The send no longer delays block
+ * 0's share of the sums (measured 5 us a step, docs/PERFORMANCE.md). The dispatch results
+ * are given back by the receive's last block, with the expert ranks' "done" flags.
  */
 template <int kLoads>
 __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
@@ -486,7 +512,6 @@ __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_
         __syncwarp();
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_RELEASED);
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
-        epx_ll_give_back<true>(s, slot, epx_ll_seq(s, slot, 0));
     } else {
         const int64_t T = op.tokens, first = min(T, (T + gridDim.x - 1) / gridDim.x);
         if (first > 0)
@@ -495,7 +520,7 @@ __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_
                          (int)blockDim.x - 32, 1);
     }
     __syncthreads();
-    combine_recv<kLoads>(s, op, seq, 1, stages, 1);
+    combine_recv<kLoads>(s, op, seq, 1, stages, 1, 1);
 }
 
 } // namespace
@@ -522,7 +547,7 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
         combine_send(s, op, seq, fused);
         if (fused) {
             __syncthreads();
-            combine_recv<kLoads>(s, op, seq, 1, stages);
+            combine_recv<kLoads>(s, op, seq, 1, stages, 0, !moves);
         }
     } else {
         combine_recv<kLoads>(s, op, epx_ll_seq(s, op.slot, 1), 0, stages);
