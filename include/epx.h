@@ -413,6 +413,34 @@ typedef struct {
  */
 epx_status_t epx_get_combine_input(epx_buffer_t buffer, epx_handle_t handle, epx_tensor_t *x);
 
+/* Ranges one buffer may have registered at a time (epx_buffer_register). */
+#define EPX_MAX_REGISTERED 8
+
+/*
+ * Collective: let combine read x in place from memory outside the buffer. Each rank
+ * passes its own range [ptr, ptr + bytes) of device memory (its address and size may
+ * differ from the other ranks'); afterwards a combine whose x lies inside this rank's
+ * range is read by the peers where it is, with no copy into the buffer first (combine
+ * from a tensor that is not epx_get_combine_input's view otherwise copies it). Meant
+ * for the tensor an engine writes its expert outputs into, allocated once and reused.
+ * The range must be one cudaMalloc allocation or part of one (PyTorch's caching
+ * allocator without expandable segments qualifies; cudaMallocAsync and VMM memory have
+ * no CUDA IPC handle and are refused naming the CUDA error); it stays the caller's and
+ * must stay allocated until epx_buffer_deregister or epx_buffer_destroy returns on every
+ * rank. Ranges of one rank may not overlap each other or the buffer; at most
+ * EPX_MAX_REGISTERED at once. On the CPU backend the range is checked and recorded, and
+ * combine copies as before. Every rank returns the same kind of answer (a refusal on
+ * one rank is EPX_ERR_REMOTE naming it on the others); normal mode, CUDA IPC peers (on
+ * several nodes, the ranks of this node) only.
+ */
+epx_status_t epx_buffer_register(epx_buffer_t buffer, void *ptr, size_t bytes);
+/*
+ * Collective: forget the range registered at `ptr` on this rank (its exact start).
+ * Waits for this rank's queued work first, and every rank votes, so when it returns no
+ * peer reads the range any more and the caller may free it.
+ */
+epx_status_t epx_buffer_deregister(epx_buffer_t buffer, void *ptr);
+
 /*
  * Collective. out_x[t] = sum over the ranks r that received token t of x_r[row of t]
  * (fp32 accumulation in rank order, after the biases if given; bf16 out); tokens sent

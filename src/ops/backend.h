@@ -78,6 +78,12 @@ struct epx_buffer {
      * memory). `rejoined` names the last rank that rejoined, for the message. */
     int low_latency_only;
     int rejoined;
+    /* epx_buffer_register's ranges of this rank, by slot (bytes 0: free); the slot is
+     * the same on every rank (collective calls in the same order, checked by a vote). */
+    struct {
+        char *ptr;
+        size_t bytes;
+    } registered[EPX_MAX_REGISTERED];
 };
 
 /*
@@ -165,6 +171,15 @@ struct epx__backend_ops {
      * must read an x that starts at this base in place.
      */
     epx_status_t (*combine_input)(epx_buffer_t buffer, void **base, int64_t *rows);
+    /*
+     * Optional (NULL: the range is only recorded; combine copies). Collective, after the
+     * API layer's checks and vote (buffer->registered[slot] is already filled on every
+     * rank): map every peer's range of `slot` so combine reads an x inside it in place.
+     * Every rank returns the same kind of answer. `unregister` undoes it (collective;
+     * the range is still in buffer->registered).
+     */
+    epx_status_t (*register_range)(epx_buffer_t buffer, int slot);
+    epx_status_t (*unregister_range)(epx_buffer_t buffer, int slot);
     /*
      * Optional (NULL = nothing to poll): record in buffer->async_error a failure the
      * backend learned asynchronously, such as a device-side timeout inside a kernel

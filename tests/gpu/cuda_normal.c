@@ -42,9 +42,10 @@
         }                                                                                \
     } while (0)
 
-enum { OP_DISPATCH, OP_COMBINE_VIEW, OP_COMBINE_COPY, OP_CACHED, OP_COUNT };
+enum { OP_DISPATCH, OP_COMBINE_VIEW, OP_COMBINE_COPY, OP_CACHED, OP_COMBINE_REGISTERED, OP_COUNT };
 static const char *op_names[OP_COUNT] = {"dispatch", "combine (input view)",
-                                         "combine (x copied in)", "cached dispatch"};
+                                         "combine (x copied in)", "cached dispatch",
+                                         "combine (x registered)"};
 
 static int g_rank = -1;
 static int g_failures = 0;
@@ -275,8 +276,11 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     moe_expected_t e;
     memset(&e, 0, sizeof(e));
     uint16_t *combine_rows = calloc((size_t)(n * H) + 1, 2);
-    void *combine_x = NULL;
+    void *combine_x = NULL, *registered_x = NULL;
     CUDA_OK(cudaMalloc(&combine_x, (size_t)(n * H) * 2 + 16));
+    /* A second separate x, registered: the peers read it in place (epx_buffer_register). */
+    CUDA_OK(cudaMalloc(&registered_x, (size_t)(n * H) * 2 + 16));
+    EPX_OK(epx_buffer_register(buffer, registered_x, (size_t)(n * H) * 2 + 16));
     CUDA_OK(cudaStreamSynchronize(stream));
     if (check) {
         if (moe_oracle_dispatch(&c, g_rank, &e) != 0)
@@ -300,6 +304,8 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
             moe_combine_row(&c, g_rank, e.recv_src_rank[i], e.recv_src_token[i],
                             combine_rows + i * H);
         CUDA_OK(cudaMemcpy(combine_x, combine_rows, (size_t)(n * H) * 2, cudaMemcpyHostToDevice));
+        CUDA_OK(cudaMemcpy(registered_x, combine_rows, (size_t)(n * H) * 2,
+                           cudaMemcpyHostToDevice));
     }
     epx_combine_args_t back = EPX_COMBINE_ARGS_INIT;
     back.handle = res.handle;
@@ -331,6 +337,12 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     CUDA_OK(cudaStreamSynchronize(stream));
     if (check)
         check_combine("combine (x copied in)", &c, out, T);
+    back.x = epx_tensor_2d(registered_x, EPX_DTYPE_BF16, n, H);
+    CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
+    EPX_OK(epx_combine(buffer, &back, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    if (check)
+        check_combine("combine (x registered)", &c, out, T);
     epx_dispatch_args_t cached_args = EPX_DISPATCH_ARGS_INIT;
     cached_args.x = args.x;
     cached_args.x_scales = args.x_scales;
@@ -366,7 +378,10 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
         cached_args.handle = res.handle;
         EPX_OK(epx_dispatch(buffer, &cached_args, &cached, stream));
         CUDA_OK(cudaEventRecord(ev[4], stream));
-        CUDA_OK(cudaEventSynchronize(ev[4]));
+        back.x = epx_tensor_2d(registered_x, EPX_DTYPE_BF16, n, H);
+        EPX_OK(epx_combine(buffer, &back, stream));
+        CUDA_OK(cudaEventRecord(ev[5], stream));
+        CUDA_OK(cudaEventSynchronize(ev[5]));
         EPX_OK(epx_handle_destroy(res.handle));
         for (int op = 0; it >= warmup && op < OP_COUNT; op++) {
             float ms = 0;
@@ -409,6 +424,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     free(all);
     for (int op = 0; op < OP_COUNT; op++)
         free(times[op]);
+    EPX_OK(epx_buffer_deregister(buffer, registered_x));
     EPX_OK(epx_buffer_destroy(buffer));
     cudaStreamDestroy(stream);
     cudaFree(x);
@@ -417,6 +433,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     cudaFree(weights);
     cudaFree(out);
     cudaFree(combine_x);
+    cudaFree(registered_x);
     free(combine_rows);
     if (check)
         moe_expected_free(&e);

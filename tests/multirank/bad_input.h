@@ -51,6 +51,10 @@ void bi_run_ll_cases(void); /* bad_input_ll.c */
 /* Rows not on the backend's boundary (16 bytes on the GPU), refused before anything is
  * sent; then a valid step on the same buffer, in device memory (every rank calls it). */
 void bi_run_ll_alignment_cases(void); /* bad_input_ll.c */
+/* epx_buffer_register / deregister refusals, one rank and across ranks
+ * (bad_input_register.c). */
+void bi_run_register_cases(void);
+void bi_run_register_remote_cases(void);
 /* epx_fanout_copy (tool support): refusals, then the copy checked (bad_input_fanout.c). */
 void bi_run_fanout_cases(void);
 

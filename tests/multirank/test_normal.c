@@ -268,8 +268,42 @@ static void dispatch_cached(const nt_ctx_t *ctx, epx_buffer_t buffer, const inpu
  * Combine rows from moe_combine_row, in the order the oracle received the tokens,
  * against moe_oracle_combine; with weights, the combined weights too.
  */
+static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                             int with_weights, const char *step, void *x_at);
+
 static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
                           int with_weights, const char *step)
+{
+    combine_check_at(ctx, buffer, handle, with_weights, step, NULL);
+}
+
+/*
+ * Combine from ranges registered with epx_buffer_register (read in place on the GPU,
+ * copied on the CPU backend; the same values either way): two ranges in one allocation
+ * (each peer opens the allocation once), x inside the second at an offset, then inside
+ * the first; then both deregistered, and the memory freed.
+ */
+static void combine_registered_check(const nt_ctx_t *ctx, epx_buffer_t buffer,
+                                     epx_handle_t handle)
+{
+    size_t rows_bytes = (size_t)(ctx->e->num_recv + 1) * (size_t)ctx->c->hidden * 2;
+    size_t half = (rows_bytes + 1024 + 255) & ~(size_t)255;
+    char *memory = mr_mem_alloc(2 * half, 0);
+    CHECK_OK(epx_buffer_register(buffer, memory, half));
+    CHECK_OK(epx_buffer_register(buffer, memory + half, half));
+    combine_check_at(ctx, buffer, handle, 1, "combine from a registered range at an offset",
+                     memory + half + 512);
+    combine_check_at(ctx, buffer, handle, 0, "combine from a second registered range", memory);
+    CHECK_OK(epx_buffer_deregister(buffer, memory + half));
+    CHECK_OK(epx_buffer_deregister(buffer, memory));
+    combine_check_at(ctx, buffer, handle, 1, "combine from deregistered memory (copied)",
+                     memory + 512);
+    mr_mem_free(memory);
+}
+
+/* x_at: where x goes (operation memory the caller owns), or NULL for a fresh tensor. */
+static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                             int with_weights, const char *step, void *x_at)
 {
     const moe_case_t *c = ctx->c;
     const moe_expected_t *e = ctx->e;
@@ -283,7 +317,11 @@ static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t
         moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
                         rows + i * hidden);
 
-    void *x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2);
+    void *x = x_at;
+    if (x == NULL)
+        x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2);
+    else
+        mr_mem_to_device(x, rows, (size_t)(e->num_recv * hidden) * 2);
     void *weights = mr_mem_from_host(e->recv_topk_weights, (size_t)(e->num_recv * k) * 4);
     void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2, 0xff);
     void *out_weights = mr_mem_alloc((size_t)(n * k) * 4, 0xff);
@@ -309,7 +347,8 @@ static void combine_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t
     free(rows);
     free(got);
     free(got_weights);
-    mr_mem_free(x);
+    if (x_at == NULL)
+        mr_mem_free(x);
     mr_mem_free(weights);
     mr_mem_free(out_x);
     mr_mem_free(out_weights);
@@ -638,6 +677,7 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
                                                 &exact, "fresh dispatch (caller outputs)");
     combine_check(ctx, buffer, views, 1, "combine with weights");
     combine_check(ctx, buffer, views, 0, "combine without weights");
+    combine_registered_check(ctx, buffer, views);
     /* Biases and routing by the layout are refused across nodes (poisoning the buffer):
      * test_bad_input shows the refusals. */
     int one_node = c->ranks_per_node <= 0 || c->ranks_per_node >= c->world_size;

@@ -244,27 +244,27 @@ bench_check)
     expect_count '^# floor: the bytes all ranks must read and write' out 1
     expect_count '^# floor/time = floor_us / the slowest' out 1
     expect_count 'SMs' out 0
-    expect_count ' PASS$' out 10
+    expect_count ' PASS$' out 12
     expect_count 'FAIL' out 0
-    for op in layout dispatch cached_dispatch combine combine_copy; do
+    for op in layout dispatch cached_dispatch combine combine_copy combine_registered; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
     done
     # One process without a launcher is a group of one.
     run "$EPX" bench --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check --alignment 4
     expect_rc 0
-    expect_count ' PASS$' out 5
+    expect_count ' PASS$' out 6
     ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2
     expect_rc 0
-    expect_count '.' out 10
-    expect_count '^{.*}$' out 10
+    expect_count '.' out 12
+    expect_count '^{.*}$' out 12
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 10, rows
+assert len(rows) == 12, rows
 for row in rows:
     assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
     assert row["check"] == "PASS", row
@@ -293,7 +293,8 @@ for row in rows:
         assert row["floor_bytes"] == (received + 3 * 64) * 512, row
 assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
     (d, o) for d in ("bf16", "fp8")
-    for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy"))
+    for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy",
+              "combine_registered"))
 PY
     fi
     ;;
@@ -355,7 +356,7 @@ bench_nodes)
     run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 64 --hidden 256 --experts 8 --topk 2 \
         --check --json --iters 2
     expect_rc 0
-    expect_count '"check":"PASS"' out 10
+    expect_count '"check":"PASS"' out 12
     expect_count '"traffic":"expected"' out 4
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "traffic lines do not hold what they should"
@@ -363,7 +364,7 @@ import json, sys
 lines = [json.loads(line) for line in open(sys.argv[1])]
 timed = {(r["dtype"], r["op"]): r for r in lines if "op" in r}
 traffic = {(r["dtype"], r["traffic_op"]): r for r in lines if r.get("traffic") == "expected"}
-assert len(timed) == 10 and len(traffic) == 4, lines
+assert len(timed) == 12 and len(traffic) == 4, lines
 for (dtype, op), t in traffic.items():
     assert t["ranks"] == 4 and t["ranks_per_node"] == 2 and t["nodes"] == 2, t
     assert t["tokens_total"] == 4 * 64, t
@@ -393,7 +394,7 @@ PY
     run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 32 --hidden 256 --experts 8 --topk 2 \
         --check --iters 1
     expect_rc 0
-    expect_count ' PASS$' out 10
+    expect_count ' PASS$' out 12
     expect_count '^# traffic, 2 nodes x 2 ranks:$' out 2
     expect_count '^  bf16  dispatch  *[0-9]* ' out 2
     # One node: nothing crosses the network.

@@ -8,7 +8,10 @@
  * peers read the rows in place. The rows are written there once, before timing: no
  * operation writes the region (the host backend's copy path stages the same rows
  * there, the same values), so they stay valid across iterations. "combine_copy" takes
- * x from a separate tensor, which the backend first copies into the buffer.
+ * x from a separate tensor, which the backend first copies into the buffer;
+ * "combine_registered" from another separate tensor, registered with
+ * epx_buffer_register once at setup, which the peers read in place (the CPU backend
+ * copies it like any other).
  *
  * Every rank runs the same sequence of collective calls whatever its check found, so a
  * wrong result on one rank is reported, never turned into a hang on the others.
@@ -41,6 +44,7 @@ typedef struct {
     void *per_expert;
     void *in_rank;
     void *combine_x; /* combine_copy's x (combine's is the buffer's combine-input view) */
+    void *registered_x; /* combine_registered's x (registered with the buffer) */
     void *out_x;
 } bench_case_t;
 
@@ -113,11 +117,14 @@ static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t o
     if (op == EPX__BENCH_OP_COMBINE)
         args.x = combine_view(bc, handle);
     else
-        args.x = epx_tensor_2d(bc->combine_x, EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
+        args.x = epx_tensor_2d(op == EPX__BENCH_OP_COMBINE_REGISTERED ? bc->registered_x
+                                                                      : bc->combine_x,
+                               EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
     args.out_x = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
     epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream),
                     op == EPX__BENCH_OP_COMBINE ? "epx_combine (input view)"
-                                                : "epx_combine (separate x)");
+                    : op == EPX__BENCH_OP_COMBINE_COPY ? "epx_combine (separate x)"
+                                                       : "epx_combine (registered x)");
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -182,6 +189,16 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
         moe_combine_row(&bc->moe, bc->rank, src_rank, src_token, rows + i * bc->moe.hidden);
     }
     bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
+    /* One spare row: a rank that receives nothing still registers a range (never empty). */
+    bc->registered_x = alloc_copy(bc, NULL, (size_t)(bc->num_recv + 1) * row_bytes);
+    epx__bench_must(bc->rank,
+                    epx__bench_copy_in(bc->device, bc->registered_x, rows,
+                                       (size_t)bc->num_recv * row_bytes),
+                    "bench copy into the registered x");
+    epx__bench_must(bc->rank,
+                    epx_buffer_register(bc->buffer, bc->registered_x,
+                                        (size_t)(bc->num_recv + 1) * row_bytes),
+                    "epx_buffer_register");
     epx_tensor_t view = combine_view(bc, handle);
     if (view.shape[0] < bc->num_recv) {
         fprintf(stderr, "epx bench: %s: the combine-input view has %lld rows, %lld received\n",
@@ -197,8 +214,12 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
 
 static void teardown(bench_case_t *bc)
 {
-    void *memory[] = {bc->x, bc->x_scales, bc->topk_idx, bc->topk_weights, bc->per_rank,
-                      bc->per_expert, bc->in_rank, bc->combine_x, bc->out_x};
+    if (bc->registered_x != NULL)
+        epx__bench_must(bc->rank, epx_buffer_deregister(bc->buffer, bc->registered_x),
+                        "epx_buffer_deregister");
+    void *memory[] = {bc->x,        bc->x_scales, bc->topk_idx,  bc->topk_weights,
+                      bc->per_rank, bc->per_expert, bc->in_rank, bc->combine_x,
+                      bc->registered_x, bc->out_x};
     for (size_t i = 0; i < sizeof(memory) / sizeof(memory[0]); i++)
         epx__bench_free(bc->device, memory[i]);
     moe_inputs_free(&bc->inputs);
@@ -343,14 +364,17 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
     make_combine_input(bc, check ? &expected : NULL, result.handle);
     /* out_x is cleared before each, so neither check can pass on the other's result. */
     size_t out_bytes = (size_t)bc->moe.num_tokens * (size_t)bc->moe.hidden * 2;
-    const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY};
-    for (int i = 0; i < 2; i++) {
+    const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY,
+                                        EPX__BENCH_OP_COMBINE_REGISTERED};
+    for (int i = 0; i < 3; i++) {
         epx__bench_must(bc->rank, epx__bench_fill(bc->device, bc->out_x, 0xff, out_bytes),
                         "bench clearing out_x");
         run_combine(bc, result.handle, combines[i]);
         if (check && !check_combine(bc, combines[i] == EPX__BENCH_OP_COMBINE
                                             ? "combine (input view) out_x"
-                                            : "combine_copy (separate x) out_x"))
+                                        : combines[i] == EPX__BENCH_OP_COMBINE_COPY
+                                            ? "combine_copy (separate x) out_x"
+                                            : "combine_registered (registered x) out_x"))
             summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
     }
 
@@ -425,6 +449,8 @@ static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 4), "timestamp");
         run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_COPY);
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 5), "timestamp");
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_REGISTERED);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 6), "timestamp");
 
         double durations[EPX__BENCH_OP_COUNT];
         epx__bench_must(bc->rank, epx__bench_elapsed_us(bc->device, EPX__BENCH_OP_COUNT + 1, durations),
@@ -452,6 +478,7 @@ static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
         return hidden * (int64_t)element_size(bc) + (is_fp8(bc) ? bc->scale_cols * 4 : 0);
     case EPX__BENCH_OP_COMBINE:
     case EPX__BENCH_OP_COMBINE_COPY:
+    case EPX__BENCH_OP_COMBINE_REGISTERED:
         return hidden * 2;
     default:
         return 0; /* layout moves no payload */
@@ -477,6 +504,7 @@ static int64_t floor_bytes(const bench_case_t *bc, epx__bench_op_t op, int64_t r
                                                row_bytes(bc, op));
     case EPX__BENCH_OP_COMBINE:
     case EPX__BENCH_OP_COMBINE_COPY:
+    case EPX__BENCH_OP_COMBINE_REGISTERED:
         return epx__bench_combine_floor_bytes(tokens, 0, received, row_bytes(bc, op));
     default:
         return 0; /* layout moves no payload */

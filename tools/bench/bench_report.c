@@ -25,6 +25,8 @@ const char *epx__bench_op_name(epx__bench_op_t op)
         return "combine";
     case EPX__BENCH_OP_COMBINE_COPY:
         return "combine_copy";
+    case EPX__BENCH_OP_COMBINE_REGISTERED:
+        return "combine_registered";
     default:
         return "unknown";
     }

@@ -21,7 +21,9 @@ typedef enum {
     EPX__BENCH_OP_CACHED_DISPATCH = 2,
     EPX__BENCH_OP_COMBINE = 3,      /* x in the buffer's combine-input view (zero-copy) */
     EPX__BENCH_OP_COMBINE_COPY = 4, /* x in a separate tensor (copied into the buffer) */
-    EPX__BENCH_OP_COUNT = 5,
+    EPX__BENCH_OP_COMBINE_REGISTERED = 5, /* x in a separate tensor registered with
+                                             epx_buffer_register (read in place) */
+    EPX__BENCH_OP_COUNT = 6,
 } epx__bench_op_t;
 
 const char *epx__bench_op_name(epx__bench_op_t op);

@@ -148,6 +148,7 @@ static void release_buffer(epx__cuda_buffer_t *cuda)
         (void)cudaFreeHost(cuda->mapped);
     if (cuda->local != NULL)
         (void)cudaFree(cuda->local);
+    epx__cuda_release_ranges(cuda);
     epx__cuda_ipc_destroy(cuda->ipc);
     epx__cuda_xn_destroy(cuda, 0);
     if (cuda->pool != NULL)
@@ -417,6 +418,8 @@ const epx__backend_ops_t epx__cuda_backend = {
     .dispatch = epx__cuda_dispatch,
     .combine = epx__cuda_combine,
     .combine_input = cuda_combine_input,
+    .register_range = epx__cuda_register_range,
+    .unregister_range = epx__cuda_unregister_range,
     .poll_async_error = cuda_poll_async_error,
     .ll_dispatch = epx__cuda_ll_dispatch,
     .ll_dispatch_receive = epx__cuda_ll_dispatch_receive,

@@ -11,6 +11,8 @@
  *     allocation and its row stride (combine.cu); every rank's allocation has the same
  *     layout and each peer adds the offset to its own mapping of this rank's, so any
  *     16-byte aligned x inside the data regions works.
+ *   - x inside a range registered with epx_buffer_register: the same, the offset
+ *     counted from the range's start, which every peer mapped (registered.c).
  *   - x anywhere else: one local copy into the receive region first (its dispatch
  *     views are no longer valid: this is a new operation), then the pull. The vector
  *     kernels copy with the SM copy kernel (copy.cu); the bulk-copy kernels
@@ -47,6 +49,37 @@ static epx_status_t stage_rows(epx__cuda_buffer_t *cuda, const epx_tensor_t *ten
  * lies inside it (usable in place), 0 when it lies outside, an error when it straddles
  * the edge or cannot be read with 16-byte vectors in place.
  */
+static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
+                             int64_t rows, int *inside, int64_t *offset, int64_t *stride);
+
+/*
+ * The same for the ranges registered with epx_buffer_register: *region = 1 + the range
+ * holding all of x's rows (read in place), else 0 (x is copied in). x crossing a range's
+ * edge, or unaligned inside one, is copied in as well: registration is an offer, not a
+ * promise about every x.
+ */
+static void locate_registered(epx_buffer_t buffer, const epx_tensor_t *x, int64_t rows,
+                              int32_t *region, int64_t *offset, int64_t *stride)
+{
+    const epx__cuda_buffer_t *cuda = buffer->impl;
+    uintptr_t first = (uintptr_t)x->data;
+    int64_t pitch = epx__tensor_row_stride(x) * 2;
+    uintptr_t last = first + (uintptr_t)(rows > 0 ? (rows - 1) * pitch + cuda->shape.hidden * 2 : 0);
+    *region = 0;
+    for (int i = 0; i < EPX_MAX_REGISTERED; i++) {
+        uintptr_t base = (uintptr_t)buffer->registered[i].ptr;
+        if (buffer->registered[i].bytes == 0 || cuda->registered[i] == NULL || first < base ||
+            last > base + buffer->registered[i].bytes)
+            continue;
+        if ((first - base) % 16 != 0 || pitch % 16 != 0 || first % 16 != 0)
+            return;
+        *region = i + 1;
+        *offset = (int64_t)(first - base);
+        *stride = pitch;
+        return;
+    }
+}
+
 static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
                              int64_t rows, int *inside, int64_t *offset, int64_t *stride)
 {
@@ -91,7 +124,12 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
         rows = s->max_recv; /* rows past any rank's receive count are never read */
     int inside = 0;
     int64_t x_offset = s->off_x, x_stride = s->hidden * 2;
+    int32_t x_region = 0;
     EPX_CHECK(locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride));
+    if (!inside) {
+        locate_registered(buffer, &args->x, rows, &x_region, &x_offset, &x_stride);
+        inside = x_region != 0;
+    }
     if (!inside && cuda->kernels == EPX_CUDA_KERNELS_BULK && handle->num_recv_tokens >= 0) {
         int64_t received = rows < handle->num_recv_tokens ? rows : handle->num_recv_tokens;
         size_t row_bytes = (size_t)s->hidden * 2;
@@ -131,6 +169,7 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
         c.bias_align[j] = epx__cuda_alignment(c.bias[j], c.bias_stride[j]);
     }
     c.x_offset = x_offset;
+    c.x_region = x_region;
     c.x_stride = x_stride;
     c.x_rows = rows;
     /* Internode: the reduce kernel also sums the records this rank forwarded. */

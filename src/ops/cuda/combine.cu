@@ -49,6 +49,7 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         epx__cuda_slot_t *slot = epx_slot(s, r, me);
         slot->ready_offset = a.x_offset;
+        slot->ready_region = a.x_region;
         slot->ready_stride = a.x_stride;
         slot->ready_rows = a.x_rows;
         epx_st_release_sys(&slot->ready_flag, seq); /* a release: covers the three above */
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     /* Every peer's input location, acquired by the ready kernel before this one. */
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         const volatile epx__cuda_slot_t *slot = epx_slot(s, me, r);
-        x_base[r] = epx_peer(s, r) + slot->ready_offset;
+        x_base[r] = epx_peer_x(s, r, slot);
         x_stride[r] = slot->ready_stride;
         x_rows[r] = slot->ready_rows;
     }

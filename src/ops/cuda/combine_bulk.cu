@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     for (int r = threadIdx.x; r < EPX_CUDA_MAX_RANKS; r += blockDim.x) {
         if (r < R) {
             const volatile epx__cuda_slot_t *slot = epx_slot(s, me, r);
-            x_base[r] = epx_peer(s, r) + slot->ready_offset;
+            x_base[r] = epx_peer_x(s, r, slot);
             x_stride[r] = slot->ready_stride;
             x_rows[r] = slot->ready_rows;
         } else {

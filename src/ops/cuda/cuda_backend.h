@@ -81,7 +81,16 @@ typedef struct {
     int error_culprit;
     char error_message[400];
     struct epx__cuda_ll *ll; /* low-latency mode (ll.h), NULL when off */
+    /* epx_buffer_register's ranges as mapped here, by slot (registered.c) */
+    epx__cuda_ipc_range_t *registered[EPX_CUDA_MAX_REGISTERED];
+    epx__cuda_ipc_cache_t ipc_cache;
 } epx__cuda_buffer_t;
+
+/* epx_buffer_register's backend part (registered.c): the table's register_range and
+ * unregister_range, and the release of every range (buffer teardown, local). */
+epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot);
+epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot);
+void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda);
 
 /* Visible CUDA devices, 0 without a driver or device (the table's device_count). */
 int epx__cuda_device_count(void);

@@ -37,6 +37,8 @@ extern "C" {
 
 /* Ranks one IPC domain may hold (a token's destinations are a 64-bit mask). */
 #define EPX_CUDA_MAX_RANKS 64
+/* Ranges combine may read in place besides the buffer (EPX_MAX_REGISTERED). */
+#define EPX_CUDA_MAX_REGISTERED 8
 /* Threads per block of the data kernels (16 warps: one token per warp at a time). */
 #define EPX_CUDA_THREADS 512
 /* Threads of the one-block count exchange kernel. */
@@ -107,7 +109,9 @@ typedef struct {
     uint64_t xn_records;    /* dispatch: records of this peer's node that arrived */
     uint64_t xn_partials;   /* combine: partial sums from this peer's node that arrived */
     uint64_t xn_enter;      /* combine: this home rank entered combine seq */
-    int32_t reserved[8];
+    int32_t ready_region;   /* combine: 0: ready_offset is in the peer's shared
+                               allocation; i + 1: in its registered range i */
+    int32_t reserved[7];
 } epx__cuda_slot_t;
 
 /* Start of the control area. */
@@ -129,6 +133,9 @@ typedef struct {
     /* Internode mode: the xn_records / xn_partials totals already consumed, per node. */
     uint64_t xn_records_seen[EPX_CUDA_MAX_RANKS];
     uint64_t xn_partials_seen[EPX_CUDA_MAX_RANKS];
+    /* epx_buffer_register's ranges: registered[i][r] is rank r's range i as mapped here
+     * (NULL: none, or not reached by CUDA IPC). */
+    char *registered[EPX_CUDA_MAX_REGISTERED][EPX_CUDA_MAX_RANKS];
 } epx__cuda_local_t;
 
 enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
@@ -365,7 +372,9 @@ typedef struct {
     int has_weights;
     float *out_weights;
     int64_t out_weights_stride; /* elements */
-    int64_t x_offset;     /* this rank's x: byte offset in its shared allocation */
+    int64_t x_offset;     /* this rank's x: byte offset in its shared allocation, or in
+                             its registered range x_region - 1 */
+    int32_t x_region;     /* 0, or 1 + the registered range holding x */
     int64_t x_stride;     /* bytes, a multiple of 16 */
     int64_t x_rows;
     int num_blocks;

@@ -20,6 +20,17 @@ __device__ __forceinline__ char *epx_peer(const epx__cuda_shape_t &s, int rank)
     return s.local->peers[rank];
 }
 
+/* Where `rank`'s combine input starts as mapped here, from what it published in its slot
+ * (`slot`, in this rank's control area): its shared allocation or one of its registered
+ * ranges (epx_buffer_register), plus the offset. */
+__device__ __forceinline__ const char *epx_peer_x(const epx__cuda_shape_t &s, int rank,
+                                                  const volatile epx__cuda_slot_t *slot)
+{
+    const int region = slot->ready_region;
+    const char *base = region == 0 ? epx_peer(s, rank) : s.local->registered[region - 1][rank];
+    return base + slot->ready_offset;
+}
+
 /* `rank`'s slot (the one this rank writes) in `owner`'s control area. */
 __device__ __forceinline__ epx__cuda_slot_t *epx_slot(const epx__cuda_shape_t &s, int owner,
                                                      int rank)

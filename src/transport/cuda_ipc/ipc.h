@@ -36,4 +36,35 @@ epx_status_t epx__cuda_ipc_create(const epx__transport_ranks_t *ranks, size_t by
  * peer still uses it (a barrier first). NULL is a no-op. */
 void epx__cuda_ipc_destroy(epx__cuda_ipc_t *ipc);
 
+/*
+ * Caller memory mapped by the peers (epx_buffer_register): each rank passes a range of
+ * one cudaMalloc allocation of its own; the ranks exchange the allocation's IPC handle
+ * and the range's offset in it, and each rank opens the handles of the ranks it is told
+ * to reach. A cache per set of ranges opens an allocation once however many ranges lie
+ * in it (a caching allocator packs many tensors into one allocation).
+ */
+typedef struct epx__cuda_ipc_opened epx__cuda_ipc_opened_t;
+typedef struct {
+    epx__cuda_ipc_opened_t *head; /* zero-initialise */
+} epx__cuda_ipc_cache_t;
+
+typedef struct {
+    int world_size;
+    char **peers;                      /* [R] each rank's range as mapped here (NULL: not
+                                          reached); peers[rank] = the caller's ptr */
+    epx__cuda_ipc_opened_t **opened;   /* [R] what peers[r] holds open, to release */
+} epx__cuda_ipc_range_t;
+
+/*
+ * Collective over `ranks` (ranks->device current): `reach[r]` nonzero maps rank r's
+ * range (ignored for this rank). A rank that already failed passes `local_status`.
+ * Every rank returns the same kind of answer; nothing stays opened on failure.
+ */
+epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__cuda_ipc_cache_t *cache,
+                                     void *ptr, size_t bytes, const int *reach,
+                                     epx_status_t local_status, epx__cuda_ipc_range_t **range);
+/* Local: release the range's mappings (an allocation is closed with its last range).
+ * Callers make sure no kernel of this rank still reads them. NULL is a no-op. */
+void epx__cuda_ipc_range_unmap(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_range_t *range);
+
 #endif /* EPX_TRANSPORT_CUDA_IPC_H */

@@ -36,6 +36,7 @@ __global__ void __launch_bounds__(64) epx_xn_ready_kernel(epx__cuda_shape_t s,
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         epx__cuda_slot_t *slot = epx_slot(s, first + p, me);
         slot->ready_offset = a.x_offset;
+        slot->ready_region = a.x_region;
         slot->ready_stride = a.x_stride;
         slot->ready_rows = a.x_rows;
         epx_st_release_sys(&slot->ready_flag, seq); /* a release: covers the three above */
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         return;
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
-        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
+        x_base[p] = epx_peer_x(s, first_local + p, slot);
         x_stride[p] = slot->ready_stride;
         x_rows[p] = slot->ready_rows;
     }

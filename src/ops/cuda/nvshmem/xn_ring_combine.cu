@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         return;
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
-        x_base[p] = epx_peer(s, first_local + p) + slot->ready_offset;
+        x_base[p] = epx_peer_x(s, first_local + p, slot);
         x_stride[p] = slot->ready_stride;
         x_rows[p] = slot->ready_rows;
     }

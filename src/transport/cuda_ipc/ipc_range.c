@@ -1,0 +1,190 @@
+/*
+ * Caller memory mapped by the peers over CUDA IPC (see ipc.h, epx__cuda_ipc_range_map).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "transport/cuda_ipc/ipc.h"
+#include "transport/cuda_status.h"
+
+/* One peer allocation opened in this process, shared by the ranges that lie in it. */
+struct epx__cuda_ipc_opened {
+    int rank;
+    cudaIpcMemHandle_t handle;
+    char *base;
+    int refs;
+    epx__cuda_ipc_opened_t *next;
+};
+
+typedef struct {
+    int32_t status; /* set by the vote */
+    int32_t device;
+    uint64_t offset; /* of the range in its allocation */
+    uint64_t bytes;
+    cudaIpcMemHandle_t handle;
+} range_vote_t;
+
+/* cuMemGetAddressRange through the runtime's driver entry point (the library does not
+ * link the driver library itself, so that it loads on machines without one). */
+typedef int (*get_address_range_fn)(unsigned long long *base, size_t *size,
+                                    unsigned long long ptr);
+
+/* The allocation holding [ptr, ptr + bytes) and the range's offset in it, with its handle. */
+static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
+{
+    struct cudaPointerAttributes attr;
+    EPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr),
+                   "buffer_register: cudaPointerGetAttributes(%p)", ptr);
+    if (attr.type != cudaMemoryTypeDevice)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer_register: %p is not device memory (CUDA memory type %d)", ptr,
+                         (int)attr.type);
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult found;
+    EPX_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                    cudaEnableDefault, &found),
+                   "buffer_register: looking up cuMemGetAddressRange");
+    if (fn == NULL || found != cudaDriverEntryPointSuccess)
+        return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: the driver has no cuMemGetAddressRange");
+    unsigned long long base = 0;
+    size_t size = 0;
+    int rc = ((get_address_range_fn)fn)(&base, &size, (unsigned long long)(uintptr_t)ptr);
+    if (rc != 0)
+        return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: cuMemGetAddressRange(%p) failed (%d)",
+                         ptr, rc);
+    uint64_t offset = (uint64_t)(uintptr_t)ptr - base;
+    if (offset + bytes > size)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer_register: [%p, +%zu) runs past the end of its allocation "
+                         "(%zu bytes from %p): a range must lie in one allocation",
+                         ptr, bytes, size, (void *)(uintptr_t)base);
+    EPX_CUDA_CHECK(cudaIpcGetMemHandle(&vote->handle, (void *)(uintptr_t)base),
+                   "buffer_register: cudaIpcGetMemHandle of the allocation holding %p (memory "
+                   "from cudaMallocAsync or the VMM API, such as PyTorch's expandable "
+                   "segments, has none: register memory from cudaMalloc)",
+                   ptr);
+    vote->offset = offset;
+    vote->bytes = bytes;
+    return EPX_SUCCESS;
+}
+
+/* Rank r's allocation, opened once in this process. */
+static epx_status_t open_allocation(epx__cuda_ipc_cache_t *cache, int r, const range_vote_t *vote,
+                                    epx__cuda_ipc_opened_t **out)
+{
+    for (epx__cuda_ipc_opened_t *o = cache->head; o != NULL; o = o->next)
+        if (o->rank == r && memcmp(&o->handle, &vote->handle, sizeof(vote->handle)) == 0) {
+            o->refs++;
+            *out = o;
+            return EPX_SUCCESS;
+        }
+    epx__cuda_ipc_opened_t *o = calloc(1, sizeof(*o));
+    if (o == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
+    void *base = NULL;
+    cudaError_t err = cudaIpcOpenMemHandle(&base, vote->handle, cudaIpcMemLazyEnablePeerAccess);
+    if (err != cudaSuccess) {
+        free(o);
+        return EPX_CUDA_ERROR(err,
+                              "buffer_register: opening rank %d's range (device %d) with "
+                              "cudaIpcOpenMemHandle",
+                              r, vote->device);
+    }
+    o->rank = r;
+    o->handle = vote->handle;
+    o->base = base;
+    o->refs = 1;
+    o->next = cache->head;
+    cache->head = o;
+    *out = o;
+    return EPX_SUCCESS;
+}
+
+static void release_allocation(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_opened_t *opened)
+{
+    if (opened == NULL || --opened->refs > 0)
+        return;
+    for (epx__cuda_ipc_opened_t **p = &cache->head; *p != NULL; p = &(*p)->next)
+        if (*p == opened) {
+            *p = opened->next;
+            break;
+        }
+    (void)cudaIpcCloseMemHandle(opened->base);
+    (void)cudaGetLastError();
+    free(opened);
+}
+
+static epx_status_t open_ranges(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_range_t *range, int me,
+                                const int *reach, const range_vote_t *votes)
+{
+    for (int r = 0; r < range->world_size; r++) {
+        if (r == me || !reach[r])
+            continue;
+        EPX_CHECK(open_allocation(cache, r, &votes[r], &range->opened[r]));
+        range->peers[r] = range->opened[r]->base + votes[r].offset;
+    }
+    return EPX_SUCCESS;
+}
+
+epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__cuda_ipc_cache_t *cache,
+                                     void *ptr, size_t bytes, const int *reach,
+                                     epx_status_t local_status, epx__cuda_ipc_range_t **out)
+{
+    int R = ranks->world_size;
+    epx__cuda_ipc_range_t *range = calloc(1, sizeof(*range));
+    range_vote_t *votes = calloc((size_t)R, sizeof(*votes));
+    range_vote_t *results = calloc((size_t)R, sizeof(*results));
+    if (range != NULL) {
+        range->world_size = R;
+        range->peers = calloc((size_t)R, sizeof(char *));
+        range->opened = calloc((size_t)R, sizeof(*range->opened));
+    }
+    if (range == NULL || votes == NULL || results == NULL || range->peers == NULL ||
+        range->opened == NULL) {
+        free(votes);
+        free(results);
+        epx__cuda_ipc_range_unmap(cache, range);
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
+    }
+    range_vote_t mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.device = ranks->device;
+    epx_status_t status = local_status;
+    if (status == EPX_SUCCESS)
+        status = describe_range(ptr, bytes, &mine);
+    status = epx__bootstrap_vote(ranks->bootstrap, R, status, &mine, votes, sizeof(mine),
+                                 "buffer_register", "could not export its range");
+    if (status == EPX_SUCCESS) {
+        range->peers[ranks->rank] = ptr;
+        range_vote_t opened;
+        memset(&opened, 0, sizeof(opened));
+        opened.device = ranks->device;
+        status = epx__bootstrap_vote(ranks->bootstrap, R,
+                                     open_ranges(cache, range, ranks->rank, reach, votes),
+                                     &opened, results, sizeof(opened), "buffer_register",
+                                     "could not map its peers' ranges");
+    }
+    free(votes);
+    free(results);
+    if (status != EPX_SUCCESS) {
+        epx__cuda_ipc_range_unmap(cache, range);
+        return status;
+    }
+    *out = range;
+    return EPX_SUCCESS;
+}
+
+void epx__cuda_ipc_range_unmap(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_range_t *range)
+{
+    if (range == NULL)
+        return;
+    if (range->opened != NULL)
+        for (int r = 0; r < range->world_size; r++)
+            release_allocation(cache, range->opened[r]);
+    free(range->opened);
+    free(range->peers);
+    free(range);
+}
