@@ -339,6 +339,8 @@ _PROTOTYPES = {
                              c_void_p]),
     "epx_combine": (c_int, [epx_buffer_p, POINTER(CombineArgs), c_void_p]),
     "epx_get_combine_input": (c_int, [epx_buffer_p, epx_handle_p, POINTER(Tensor)]),
+    "epx_buffer_register": (c_int, [epx_buffer_p, c_void_p, c_size_t]),
+    "epx_buffer_deregister": (c_int, [epx_buffer_p, c_void_p]),
     "epx_handle_get_info": (c_int, [epx_handle_p, POINTER(HandleInfo)]),
     "epx_handle_destroy": (c_int, [epx_handle_p]),
     "epx_handle_get_rank_prefix_matrix": (c_int, [epx_handle_p, POINTER(Tensor)]),

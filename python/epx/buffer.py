@@ -619,6 +619,40 @@ class Buffer(LowLatencyMixin):
                                                 ctypes.byref(tensor)), "get_combine_input")
         return self._view_in(tensor, framework, handle._raw)
 
+    def register(self, tensor):
+        """Let combine read `tensor` in place (collective: every rank, its own tensor).
+
+        For the tensor an engine computes its expert outputs into, allocated once: a
+        combine whose x lies inside it is read by the peers where it is, with no copy into
+        the buffer (the CUDA backend maps it over CUDA IPC; the CPU backend records it and
+        copies as before). On the GPU the memory must come from cudaMalloc (PyTorch's
+        caching allocator without expandable segments); call deregister() before freeing
+        it. At most 8 tensors at a time; each rank's may not overlap another or the buffer.
+        """
+        data, nbytes = self._span(tensor, "register")
+        check(_capi.api().epx_buffer_register(self.pointer, data, nbytes), "buffer_register")
+
+    def deregister(self, tensor):
+        """Undo register(tensor) (collective); afterwards the tensor may be freed."""
+        data, _ = self._span(tensor, "deregister")
+        check(_capi.api().epx_buffer_deregister(self.pointer, data), "buffer_deregister")
+
+    @staticmethod
+    def _span(tensor, op):
+        """(first byte, bytes up to the last element's end) of a tensor."""
+        arg = _tensor.resolve(tensor, "%s: tensor" % op)
+        itemsize = max(arg.bits // 8, 1)
+        if not all(arg.shape):
+            return arg.data, 0
+        strides = arg.strides
+        if strides is None:  # C-contiguous
+            strides, step = [], 1
+            for size in reversed(arg.shape):
+                strides.insert(0, step)
+                step *= size
+        last = sum((size - 1) * stride for size, stride in zip(arg.shape, strides))
+        return arg.data, (last + 1) * itemsize
+
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """Send each received row back to its token's rank, summed there (collective).

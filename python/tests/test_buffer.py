@@ -135,6 +135,30 @@ def test_combine(group, tensors, make_buffer):
     assert event.event is None
 
 
+def test_combine_from_registered_tensor(group, tensors, make_buffer):
+    """A registered tensor as combine's x: the same result; misuse named (collective)."""
+    case = Case(group.world_size, seed=63)
+    buffer = make_buffer(case)
+    x, _, idx, w = case.inputs(group.rank)
+    _, _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),
+                                            topk_weights=tensors.put(w))
+    want = case.dispatch(group.rank)
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    # One spare row, so a rank that receives nothing still registers some memory.
+    spare = np.zeros((rows.shape[0] + 1, case.hidden), dtype=rows.dtype)
+    spare[: rows.shape[0]] = rows
+    tensor = tensors.put(spare)
+    buffer.register(tensor)
+    with pytest.raises(epx.EpxError, match="overlaps"):
+        buffer.register(tensor)
+    combined, _, _ = buffer.combine(tensor[: rows.shape[0]], handle)
+    want_x, _ = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+    buffer.deregister(tensor)
+    with pytest.raises(epx.EpxError, match="not the start of a range"):
+        buffer.deregister(tensor)
+
+
 def _address(tensor):
     """The address a tensor's data starts at, as the C library sees it."""
     return epx._tensor.resolve(tensor, "tensor").data
