@@ -637,6 +637,10 @@ static void check_refused_across_nodes(const nt_ctx_t *ctx, epx_group_t group,
     epx_dispatch_args_t args = dispatch_args(c, in);
     epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
     CHECK_OK(epx_dispatch(buffer, &args, &res, NULL));
+    /* The refusal below fails the buffer on every rank, also a rank still inside this
+     * dispatch (a slow one, as under ASan): wait until every rank is done with it. */
+    mr_mem_sync();
+    CHECK_OK(epx_group_barrier(group));
     void *x = mr_mem_alloc((size_t)(ctx->e->num_recv * c->hidden) * 2 + 2, 0);
     void *out = mr_mem_alloc((size_t)(n * c->hidden) * 2 + 2, 0);
     epx_combine_args_t combine = EPX_COMBINE_ARGS_INIT;
