@@ -254,6 +254,12 @@ bench_check)
     run "$EPX" bench --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check --alignment 4
     expect_rc 0
     expect_count ' PASS$' out 6
+    # combine_registered from a larger allocation than its rows: the same results.
+    run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
+        --register-mb 2
+    expect_rc 0
+    expect_count ' PASS$' out 6
+    expect_count '^  bf16  combine_registered ' out 1
     ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2

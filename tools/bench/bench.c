@@ -31,8 +31,9 @@ static const char bench_usage[] =
     "usage: epx bench [options]\n"
     "\n"
     "Time (and with --check verify) layout, dispatch, cached dispatch and combine:\n"
-    "combine with x in the buffer's combine-input view (zero-copy, op \"combine\") and\n"
-    "with x in a separate tensor (copied into the buffer first, op \"combine_copy\").\n"
+    "combine with x in the buffer's combine-input view (zero-copy, op \"combine\"),\n"
+    "with x in a separate tensor (copied into the buffer first, op \"combine_copy\") and\n"
+    "with x in a tensor registered with epx_buffer_register (op \"combine_registered\").\n"
     "With --mode ll, the low-latency ops instead: epx_ll_dispatch and epx_ll_combine\n"
     "(x in the zero-copy buffer), each in one call and split into its EPX_LL_SEND_ONLY\n"
     "send and its epx_ll_receive (ops dispatch_send, dispatch_recv, ...).\n"
@@ -58,6 +59,8 @@ static const char bench_usage[] =
     "  --iters N         timed iterations (normal: host 3, cuda 30; ll: host 20, cuda 100)\n"
     "  --seed N          input seed (1)\n"
     "  --alignment N     per-expert count alignment, normal mode (1)\n"
+    "  --register-mb N   normal: allocate combine_registered's tensor at least N MiB\n"
+    "                    (x at its start; 0: just its rows)\n"
     "  --sms N           SMs per rank for GPU kernels (0 = EPX_NUM_SMS)\n"
     "  --fanout F        fanout: destinations per row on average, 1 to the ranks (5.25,\n"
     "                    or the ranks when fewer)\n"
@@ -224,6 +227,7 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
             {"--sms", 0, 1024, NULL, &o->sms},
             {"-n", 1, 1 << 20, NULL, &o->num_ranks},
             {"--ranks-per-node", 1, 1 << 20, NULL, &o->ranks_per_node},
+            {"--register-mb", 0, 1 << 20, NULL, &o->register_mb},
         };
         int handled = 0;
         for (size_t f = 0; f < sizeof(int_flags) / sizeof(int_flags[0]) && !handled; f++) {

@@ -189,15 +189,18 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
         moe_combine_row(&bc->moe, bc->rank, src_rank, src_token, rows + i * bc->moe.hidden);
     }
     bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
-    /* One spare row: a rank that receives nothing still registers a range (never empty). */
-    bc->registered_x = alloc_copy(bc, NULL, (size_t)(bc->num_recv + 1) * row_bytes);
+    /* One spare row: a rank that receives nothing still registers a range (never empty);
+     * --register-mb: a larger allocation (does the mapping's size change the reads?). */
+    size_t registered_bytes = (size_t)(bc->num_recv + 1) * row_bytes;
+    if (registered_bytes < ((size_t)bc->options->register_mb << 20))
+        registered_bytes = (size_t)bc->options->register_mb << 20;
+    bc->registered_x = alloc_copy(bc, NULL, registered_bytes);
     epx__bench_must(bc->rank,
                     epx__bench_copy_in(bc->device, bc->registered_x, rows,
                                        (size_t)bc->num_recv * row_bytes),
                     "bench copy into the registered x");
     epx__bench_must(bc->rank,
-                    epx_buffer_register(bc->buffer, bc->registered_x,
-                                        (size_t)(bc->num_recv + 1) * row_bytes),
+                    epx_buffer_register(bc->buffer, bc->registered_x, registered_bytes),
                     "epx_buffer_register");
     epx_tensor_t view = combine_view(bc, handle);
     if (view.shape[0] < bc->num_recv) {
