@@ -201,6 +201,19 @@ static epx_status_t create_local(epx_buffer_t buffer, epx__cuda_buffer_t *cuda)
     return EPX_SUCCESS;
 }
 
+epx_status_t epx__cuda_vote(epx_group_t group, epx_status_t status, const char *op,
+                            const char *what)
+{
+    int32_t mine = 0;
+    int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
+    if (all == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "%s: out of host memory", op);
+    status = epx__bootstrap_vote(group->bootstrap, group->world_size, status, &mine, all,
+                                 sizeof(mine), op, what);
+    free(all);
+    return status;
+}
+
 static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
 {
     epx_group_t group = buffer->group;
@@ -239,14 +252,7 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     /* Low-latency mode (collective as well; a failure above joins its votes). */
     status = epx__cuda_ll_create(buffer, status, &cuda->ll);
     /* Everyone learns whether everyone is ready before any rank starts an operation. */
-    int32_t mine = 0;
-    int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
-    if (all == NULL)
-        status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
-    else
-        status = epx__bootstrap_vote(group->bootstrap, group->world_size, status, &mine, all,
-                                     sizeof(mine), "buffer_create", "failed");
-    free(all);
+    status = epx__cuda_vote(group, status, "buffer_create", "failed");
     if (status != EPX_SUCCESS) {
         release_buffer(cuda);
         return status;

@@ -86,6 +86,11 @@ typedef struct {
     epx__cuda_ipc_cache_t ipc_cache;
 } epx__cuda_buffer_t;
 
+/* Collective: every rank's status, the bootstrap's vote (its answer; EPX_ERR_REMOTE "<op>:
+ * rank r <what>" naming the first rank that failed). */
+epx_status_t epx__cuda_vote(epx_group_t group, epx_status_t status, const char *op,
+                            const char *what);
+
 /* epx_buffer_register's backend part (registered.c): the table's register_range and
  * unregister_range, and the release of every range (buffer teardown, local). */
 epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot);

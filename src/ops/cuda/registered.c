@@ -8,7 +8,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bootstrap/bootstrap.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/group.h"
 
@@ -54,14 +53,7 @@ epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot)
                      ? EPX_CUDA_ERROR(err, "buffer_register: waiting for queued work")
                      : write_row(cuda, slot, range->peers);
         /* Every rank's table is written before any rank's combine may name the range. */
-        int32_t mine = 0;
-        int32_t *all = calloc((size_t)R, sizeof(int32_t));
-        if (all == NULL)
-            status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
-        else
-            status = epx__bootstrap_vote(group->bootstrap, R, status, &mine, all, sizeof(mine),
-                                         "buffer_register", "could not record the ranges");
-        free(all);
+        status = epx__cuda_vote(group, status, "buffer_register", "could not record the ranges");
     }
     if (status != EPX_SUCCESS) {
         if (range != NULL)
@@ -84,14 +76,7 @@ epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot)
     epx_status_t status =
         err != cudaSuccess ? EPX_CUDA_ERROR(err, "buffer_deregister: waiting for queued work")
                            : write_row(cuda, slot, NULL);
-    int32_t mine = 0;
-    int32_t *all = calloc((size_t)group->world_size, sizeof(int32_t));
-    if (all == NULL)
-        status = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_deregister: out of host memory");
-    else
-        status = epx__bootstrap_vote(group->bootstrap, group->world_size, status, &mine, all,
-                                     sizeof(mine), "buffer_deregister", "failed");
-    free(all);
+    status = epx__cuda_vote(group, status, "buffer_deregister", "failed");
     epx__cuda_ipc_range_unmap(&cuda->ipc_cache, cuda->registered[slot]);
     cuda->registered[slot] = NULL;
     return status;
