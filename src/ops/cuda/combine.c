@@ -50,7 +50,32 @@ static epx_status_t stage_rows(epx__cuda_buffer_t *cuda, const epx_tensor_t *ten
  * the edge or cannot be read with 16-byte vectors in place.
  */
 static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
-                             int64_t rows, int *inside, int64_t *offset, int64_t *stride);
+                             int64_t rows, int *inside, int64_t *offset, int64_t *stride)
+{
+    uintptr_t base = (uintptr_t)cuda->shared;
+    uintptr_t end = base + (uintptr_t)cuda->shape.shared_bytes;
+    uintptr_t first = (uintptr_t)x->data;
+    int64_t pitch = epx__tensor_row_stride(x) * 2;
+    int64_t row_bytes = cuda->shape.hidden * 2;
+    uintptr_t last = first + (uintptr_t)(rows > 0 ? (rows - 1) * pitch + row_bytes : 0);
+    *inside = 0;
+    if (last <= base || first >= end)
+        return EPX_SUCCESS;
+    if (first < base + (uintptr_t)cuda->shape.off_x || last > end)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "combine: x overlaps the buffer's memory but does not lie inside its "
+                         "data region; pass a view of the buffer (epx_get_combine_input, or "
+                         "recv_x) or memory outside it");
+    if ((first - base) % 16 != 0 || pitch % 16 != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "combine: x lies in the buffer at byte offset %llu with row pitch %lld; "
+                         "in place it must be 16-byte aligned",
+                         (unsigned long long)(first - base), (long long)pitch);
+    *inside = 1;
+    *offset = (int64_t)(first - base);
+    *stride = pitch;
+    return EPX_SUCCESS;
+}
 
 /*
  * The same for the ranges registered with epx_buffer_register: *region = 1 + the range
@@ -78,34 +103,6 @@ static void locate_registered(epx_buffer_t buffer, const epx_tensor_t *x, int64_
         *stride = pitch;
         return;
     }
-}
-
-static epx_status_t locate_x(const epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
-                             int64_t rows, int *inside, int64_t *offset, int64_t *stride)
-{
-    uintptr_t base = (uintptr_t)cuda->shared;
-    uintptr_t end = base + (uintptr_t)cuda->shape.shared_bytes;
-    uintptr_t first = (uintptr_t)x->data;
-    int64_t pitch = epx__tensor_row_stride(x) * 2;
-    int64_t row_bytes = cuda->shape.hidden * 2;
-    uintptr_t last = first + (uintptr_t)(rows > 0 ? (rows - 1) * pitch + row_bytes : 0);
-    *inside = 0;
-    if (last <= base || first >= end)
-        return EPX_SUCCESS;
-    if (first < base + (uintptr_t)cuda->shape.off_x || last > end)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "combine: x overlaps the buffer's memory but does not lie inside its "
-                         "data region; pass a view of the buffer (epx_get_combine_input, or "
-                         "recv_x) or memory outside it");
-    if ((first - base) % 16 != 0 || pitch % 16 != 0)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "combine: x lies in the buffer at byte offset %llu with row pitch %lld; "
-                         "in place it must be 16-byte aligned",
-                         (unsigned long long)(first - base), (long long)pitch);
-    *inside = 1;
-    *offset = (int64_t)(first - base);
-    *stride = pitch;
-    return EPX_SUCCESS;
 }
 
 epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream)
