@@ -325,24 +325,21 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     /* A copy from pageable memory may still be landing when cudaMemcpy returns, and the
      * operations run on a non-blocking stream: wait for it. */
     CUDA_OK(cudaDeviceSynchronize());
-    back.x = view;
-    CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
-    EPX_OK(epx_combine(buffer, &back, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    if (check)
-        check_combine("combine (input view)", &c, out, T);
-    back.x = epx_tensor_2d(combine_x, EPX_DTYPE_BF16, n, H);
-    CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
-    EPX_OK(epx_combine(buffer, &back, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    if (check)
-        check_combine("combine (x copied in)", &c, out, T);
-    back.x = epx_tensor_2d(registered_x, EPX_DTYPE_BF16, n, H);
-    CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
-    EPX_OK(epx_combine(buffer, &back, stream));
-    CUDA_OK(cudaStreamSynchronize(stream));
-    if (check)
-        check_combine("combine (x registered)", &c, out, T);
+    /* The same rows three ways: in the view, in a separate tensor, in a registered one. */
+    const struct {
+        int op;
+        epx_tensor_t x;
+    } combines[] = {{OP_COMBINE_VIEW, view},
+                    {OP_COMBINE_COPY, epx_tensor_2d(combine_x, EPX_DTYPE_BF16, n, H)},
+                    {OP_COMBINE_REGISTERED, epx_tensor_2d(registered_x, EPX_DTYPE_BF16, n, H)}};
+    for (size_t i = 0; i < sizeof(combines) / sizeof(combines[0]); i++) {
+        back.x = combines[i].x;
+        CUDA_OK(cudaMemset(out, 0xff, (size_t)(T * H) * 2));
+        EPX_OK(epx_combine(buffer, &back, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+        if (check)
+            check_combine(op_names[combines[i].op], &c, out, T);
+    }
     epx_dispatch_args_t cached_args = EPX_DISPATCH_ARGS_INIT;
     cached_args.x = args.x;
     cached_args.x_scales = args.x_scales;
