@@ -280,7 +280,13 @@ epx_status_t epx_get_async_error(epx_buffer_t buffer, epx_status_t *error, char 
 
 /* ---------------------------------------------------------------- layout */
 
-/* Local: count tokens per rank and expert for `topk_idx`. No communication. */
+/*
+ * Local: count tokens per rank and expert for `topk_idx`. No communication. A bad expert
+ * id is EPX_ERR_INVALID_ARG naming topk_idx: returned by this call on the host backend; on
+ * a GPU backend the layout kernel finds it (no host wait), so it becomes the buffer's
+ * async error once the stream has run, returned by the next call on the buffer, which then
+ * fails as after a dispatch given a bad id.
+ */
 typedef struct {
     size_t size;
     epx_tensor_t topk_idx;              /* in  [tokens, num_topk] int64, -1 = none */
