@@ -509,7 +509,12 @@ epx_status_t epx_handle_destroy(epx_handle_t handle);
  * or while a combine of the same step is pending, and any use of a handle whose slot a
  * later dispatch reused. Argument errors (EPX_ERR_INVALID_ARG / EPX_ERR_CAPACITY) are
  * found before anything is sent and have no effect either; unlike normal mode they do
- * not poison the buffer (the peers' call then ends in a timeout naming this rank).
+ * not poison the buffer (the peers' call then ends in a timeout naming this rank). One
+ * exception on a GPU backend: topk_idx lives in device memory and the host never reads
+ * it, so an expert id out of range (not -1, not 0..num_experts-1) is found by the
+ * kernels, which treat that entry as -1 (no row sent, nothing combined for it) and
+ * complete the step; epx_get_async_error then returns EPX_ERR_INVALID_ARG naming the
+ * first such entry, and the buffer stays usable.
  *
  * Failed peers. A low-latency wait that a peer does not answer within the group's
  * timeout, or whose process exited or published a failure, masks that rank on this rank

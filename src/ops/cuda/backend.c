@@ -308,7 +308,9 @@ static int cuda_destroy_ready(epx_buffer_t buffer)
     if (mask == NULL)
         return 0;
     epx__cuda_ll_poll(buffer);
-    int ready = atomic_load(&buffer->ll_peer_error) == EPX_SUCCESS;
+    /* A bad expert id (EPX_ERR_INVALID_ARG) loses no peer; a lost peer is also masked. */
+    int peer_error = atomic_load(&buffer->ll_peer_error);
+    int ready = peer_error == EPX_SUCCESS || peer_error == EPX_ERR_INVALID_ARG;
     epx__cuda_ll_get_masked(buffer, mask);
     for (int r = 0; r < R; r++)
         ready = ready && !mask[r];

@@ -188,6 +188,23 @@ void epx__cuda_ll_poll(epx_buffer_t buffer)
     if (cuda == NULL || cuda->ll == NULL)
         return;
     volatile epx_ll_fail_t *f = cuda->ll->fail;
+    if (f->bad_id && !f->bad_reported) {
+        /* Found on the device (the host never reads topk_idx); the entry was left out. */
+        f->bad_reported = 1;
+        int k = buffer->config.num_topk;
+        char text[sizeof(buffer->ll_peer_message)];
+        snprintf(text, sizeof(text),
+                 "%s: topk_idx[%lld][%lld] is %lld, expected -1 (none) or an expert id in "
+                 "0..%d; the entry was treated as -1",
+                 f->bad_stage == EPX_LL_STAGE_COMBINE ? "ll_combine" : "ll_dispatch",
+                 (long long)(f->bad_index / k), (long long)(f->bad_index % k),
+                 (long long)f->bad_value, buffer->config.num_experts - 1);
+        EPX_WARN(EPX_SUBSYS_OPS, "%s", text);
+        /* The first async error stays; a lost peer (below) outranks a bad id. */
+        int expected = EPX_SUCCESS;
+        if (atomic_compare_exchange_strong(&buffer->ll_peer_error, &expected, EPX_ERR_INVALID_ARG))
+            snprintf(buffer->ll_peer_message, sizeof(buffer->ll_peer_message), "%s", text);
+    }
     if (f->code == 0 || f->reported)
         return;
     f->reported = 1;

@@ -32,7 +32,8 @@
  *     state:     seq uint64 [2 slots][2] (dispatch, combine; advanced by the send
  *                kernels so CUDA graph replays keep counting), released uint64 [2] (the
  *                last dispatch of the slot whose results this rank gave back), arrive
- *                uint32 [2][4] (last-block counters), mask int32 [R].
+ *                uint32 [2][4] (last-block counters), mask int32 [R] (+ the failure
+ *                record's two claim words).
  *   host-mapped: the failure record.
  *
  * Because peers write a slot's dispatch results directly, a rank gives a slot back
@@ -65,7 +66,7 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 7
+#define EPX_LL_PLUGIN_ABI 8
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
@@ -83,12 +84,20 @@ enum {
 /* Which phases a kernels-2 launch runs (both: a call without EPX_LL_SEND_ONLY). */
 enum { EPX_LL_RUN_SEND = 1, EPX_LL_RUN_RECV = 2 };
 
-/* Written by a kernel (code last) the first time a wait gives up; read by the host. */
+/* Written by a kernel (code last) the first time a wait gives up, and (bad_id last) the
+ * first time a kernel finds an expert id out of range; read by the host. Each has its
+ * own claim word (mask[R], mask[R + 1]), so a bad id never hides a later lost peer. */
 typedef struct {
     int32_t code; /* 0 none, 1 timeout */
     int32_t stage;
     int32_t peer;
-    int32_t reported; /* host: this record was already turned into a status */
+    int32_t reported;     /* host: this record was already turned into a status */
+    int32_t bad_id;       /* 1: topk_idx[bad_index] = bad_value is out of range */
+    int32_t bad_stage;    /* EPX_LL_STAGE_DISPATCH or _COMBINE: whose argument */
+    int32_t bad_reported; /* host: turned into a status */
+    int32_t pad;
+    int64_t bad_index;    /* token * num_topk + position */
+    int64_t bad_value;
 } epx_ll_fail_t;
 
 /* Everything the kernels know about a buffer (passed by value to every kernel). */
@@ -121,7 +130,7 @@ typedef struct {
     uint64_t *seq;      /* [2 slots][2] */
     uint64_t *released; /* [2 slots] */
     uint32_t *arrive;   /* [2 slots][4] */
-    int32_t *mask;      /* [R] */
+    int32_t *mask;      /* [R], then the claims of the failure record's two parts */
     uint64_t *arrived;         /* kernels 2: [2 slots][R] */
     uint64_t *combine_arrived; /* kernels 2: [2 slots][R] */
     epx_ll_fail_t *fail; /* device address of the host-mapped record */

@@ -33,8 +33,8 @@ static size_t take(size_t *offset, size_t bytes)
 
 /*
  * The device state after the two result slots (offsets from its start): seq [2][2] and
- * released [2] uint64, arrive [2][4] uint32, mask [R + 1] int32 (the last word claims the
- * failure record), the peer table [R] pointers, then (kernels 2; always laid out) arrived
+ * released [2] uint64, arrive [2][4] uint32, mask [R + 2] int32 (the last two words claim
+ * the failure record's timeout and bad-id parts), the peer table [R] pointers, then (kernels 2; always laid out) arrived
  * and combine_arrived [2][R] uint64.
  */
 typedef struct {
@@ -47,7 +47,7 @@ static state_layout_t state_layout(int world)
     l.released = 4 * sizeof(uint64_t);
     l.arrive = l.released + 2 * sizeof(uint64_t);
     l.mask = l.arrive + 8 * sizeof(uint32_t);
-    l.peers = l.mask + (((size_t)world + 1) * sizeof(int32_t) + 7) / 8 * 8;
+    l.peers = l.mask + (((size_t)world + 2) * sizeof(int32_t) + 7) / 8 * 8;
     l.arrived = l.peers + (size_t)world * sizeof(char *);
     l.combine_arrived = l.arrived + 2 * (size_t)world * sizeof(uint64_t);
     l.bytes = l.combine_arrived + 2 * (size_t)world * sizeof(uint64_t);

@@ -184,7 +184,8 @@ __device__ void load_routing(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
     for (int i = tid; i < n * k; i += threads) {
         const int64_t t = b0 + i / k;
         const int j = i % k;
-        m.expert[i] = (int32_t)op.topk_idx[t * op.idx_stride + j];
+        m.expert[i] = epx_ll_expert_or_none(s, EPX_LL_STAGE_COMBINE, t * k + j,
+                                            op.topk_idx[t * op.idx_stride + j]);
         m.weight[i] = op.weights[t * op.weight_stride + j];
     }
     routing_sync(bar, threads);

@@ -119,10 +119,10 @@ __device__ __forceinline__ void epx_ll_entry(const epx_ll_shape_t &s, const epx_
     if (j >= k)
         return;
     const int64_t *idx = op.topk_idx + t * op.idx_stride;
-    const int64_t e = idx[j];
-    const int r = (int)(e / L);
-    if (e < 0 || !ok[r])
+    const int64_t e = epx_ll_expert_or_none(s, EPX_LL_STAGE_COMBINE, t * k + j, idx[j]);
+    if (e < 0 || !ok[e / L])
         return;
+    const int r = (int)(e / L);
     int first = 0;
     while (idx[first] != e)
         first++;

@@ -93,6 +93,38 @@ __device__ __forceinline__ void epx_ll_give_up(int32_t *mask, int world, int pee
 }
 
 /*
+ * topk_idx[index] = value, given to the operation of `stage` (EPX_LL_STAGE_DISPATCH or
+ * _COMBINE), is neither -1 nor an expert id: write the failure record's bad-id part unless
+ * an earlier bad id did (no peer is masked). The callers then treat the entry as -1, so
+ * every count, row and sum stays consistent (and in bounds).
+ */
+static __device__ __noinline__ void epx_ll_bad_expert(const epx_ll_shape_t &s, int stage,
+                                                      int64_t index, int64_t value)
+{
+    if (atomicCAS(s.mask + s.world + 1, 0, 1) == 0) {
+        volatile epx_ll_fail_t *f = s.fail;
+        f->bad_stage = stage;
+        f->bad_index = index;
+        f->bad_value = value;
+        __threadfence_system();
+        f->bad_id = 1;
+        __threadfence_system();
+    }
+}
+
+/* Entry `index`'s id as the kernels use it: -1 (none) for -1 and for anything out of range,
+ * which is recorded when `record` (the caller reads each entry once: no second record). */
+__device__ __forceinline__ int epx_ll_expert_or_none(const epx_ll_shape_t &s, int stage,
+                                                     int64_t index, int64_t e, int record = 1)
+{
+    if (e >= 0 && e < s.num_experts)
+        return (int)e;
+    if (e != -1 && record)
+        epx_ll_bad_expert(s, stage, index, e);
+    return -1;
+}
+
+/*
  * Wait until *flag >= target. Returns 1 when it got there, 0 when the peer is (or
  * becomes) masked: by another block, by the host, or here after the timeout, which
  * also writes the failure record once (the host reports it, naming the rank).

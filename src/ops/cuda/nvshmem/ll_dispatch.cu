@@ -27,7 +27,7 @@
 #include "ops/cuda/nvshmem/ll_device.cuh"
 
 /* Count, per expert, the tokens in [begin, end) that send it a row. */
-__device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, int k,
+__device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, int k, int E,
                                  int64_t begin, int64_t end, int32_t *hist)
 {
     for (int64_t i = begin * k + threadIdx.x; i < end * k; i += blockDim.x) {
@@ -35,7 +35,7 @@ __device__ void epx_ll_histogram(const int64_t *topk_idx, int64_t idx_stride, in
         int j = (int)(i % k);
         const int64_t *idx = topk_idx + t * idx_stride;
         int64_t e = idx[j];
-        if (e >= 0 && !epx_ll_seen_before(idx, j, e))
+        if (e >= 0 && e < E && !epx_ll_seen_before(idx, j, e))
             atomicAdd(&hist[e], 1);
     }
 }
@@ -67,7 +67,8 @@ static __device__ __forceinline__ void epx_ll_dispatch_send(epx_ll_shape_t s, ep
     const int64_t idx_stride = cached ? k : op.idx_stride;
     if (cached) {
         for (int64_t i = threadIdx.x; i < T * k; i += blockDim.x)
-            smem64[i] = op.topk_idx[(i / k) * op.idx_stride + i % k];
+            smem64[i] = epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, i,
+                                              op.topk_idx[(i / k) * op.idx_stride + i % k]);
     }
     /* Where each (token, expert) of the chunk goes: its row and its scales at the
      * receiver, NULL when not stored directly (skipped, masked, or sent by a put). */
@@ -98,7 +99,7 @@ static __device__ __forceinline__ void epx_ll_dispatch_send(epx_ll_shape_t s, ep
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         hist[i] = 0;
     __syncthreads();
-    epx_ll_histogram(topk_idx, idx_stride, k, 0, t0, hist);
+    epx_ll_histogram(topk_idx, idx_stride, k, s.num_experts, 0, t0, hist);
     __syncthreads();
 
     /* Channels per lane and per warp item: fp8 16 (a 512-channel item), bf16 8 (256). */
@@ -112,8 +113,10 @@ static __device__ __forceinline__ void epx_ll_dispatch_send(epx_ll_shape_t s, ep
         for (int i = threadIdx.x; i < n * k; i += blockDim.x) {
             const int64_t *idx = topk_idx + (c0 + i / k) * idx_stride;
             int j = i % k;
-            int64_t e = idx[j];
-            chunk_expert[i] = (e >= 0 && !epx_ll_seen_before(idx, j, e)) ? (int32_t)e : -1;
+            /* Uncached ids are read raw: each block records its own tokens' bad ones. */
+            int64_t e = epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, (c0 + i / k) * k + j,
+                                              idx[j], !cached);
+            chunk_expert[i] = (e >= 0 && !epx_ll_seen_before(idx, j, idx[j])) ? (int32_t)e : -1;
         }
         __syncthreads();
         /* Rows in token order: one warp walks the tokens (a token's experts are distinct). */
@@ -238,7 +241,7 @@ static __device__ __forceinline__ void epx_ll_dispatch_send(epx_ll_shape_t s, ep
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         hist[i] = 0;
     __syncthreads();
-    epx_ll_histogram(topk_idx, idx_stride, k, 0, T, hist);
+    epx_ll_histogram(topk_idx, idx_stride, k, s.num_experts, 0, T, hist);
     __syncthreads();
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x) {
         const int r = i / L;
