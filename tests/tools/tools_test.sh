@@ -260,6 +260,11 @@ bench_check)
     expect_rc 0
     expect_count ' PASS$' out 6
     expect_count '^  bf16  combine_registered ' out 1
+    # ... and from an allocation of exactly its rows (the GPU's slower case; here the same).
+    run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
+        --register-exact
+    expect_rc 0
+    expect_count ' PASS$' out 6
     ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2

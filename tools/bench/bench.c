@@ -60,7 +60,11 @@ static const char bench_usage[] =
     "  --seed N          input seed (1)\n"
     "  --alignment N     per-expert count alignment, normal mode (1)\n"
     "  --register-mb N   normal: allocate combine_registered's tensor at least N MiB\n"
-    "                    (x at its start; 0: just its rows)\n"
+    "                    (x at its start; 0: just its rows), rounded up to 2 MiB as\n"
+    "                    PyTorch's caching allocator does\n"
+    "  --register-exact  normal: allocate it exactly its rows (and one more) instead, as a\n"
+    "                    C caller's cudaMalloc might: peers read such an allocation slower\n"
+    "                    (docs/PERFORMANCE.md)\n"
     "  --sms N           SMs per rank for GPU kernels (0 = EPX_NUM_SMS)\n"
     "  --fanout F        fanout: destinations per row on average, 1 to the ranks (5.25,\n"
     "                    or the ranks when fewer)\n"
@@ -193,6 +197,10 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         }
         if (strcmp(arg, "--json") == 0) {
             o->json = 1;
+            continue;
+        }
+        if (strcmp(arg, "--register-exact") == 0) {
+            o->register_exact = 1;
             continue;
         }
         if (strcmp(arg, "--round-scale") == 0) {

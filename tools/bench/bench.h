@@ -52,7 +52,9 @@ typedef struct {
     epx__soak_options_t soak; /* --soak DURATION and its flags (bench_soak.h) */
     double fanout;            /* fanout: destinations per row on average; 0 = not given */
     int register_mb;          /* normal: combine_registered's allocation at least this many
-                                 MiB (x at its start); 0 = the rows and one more */
+                                 MiB (x at its start); 0 = the rows and one more; rounded up
+                                 to 2 MiB unless register_exact */
+    int register_exact;       /* normal: that allocation exactly the rows and one more */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */

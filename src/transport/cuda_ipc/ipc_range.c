@@ -66,6 +66,15 @@ static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
                    "from cudaMallocAsync or the VMM API, such as PyTorch's expandable "
                    "segments, has none: register memory from cudaMalloc)",
                    ptr);
+    /* Measured on an H200 (docs/PERFORMANCE.md): peers read an allocation whose size is
+     * not a multiple of 2 MiB up to 1.7x slower than one that is (the driver maps it with
+     * smaller pages). Allowed, but said once per registration. */
+    if (size % ((size_t)2 << 20) != 0)
+        EPX_WARN(EPX_SUBSYS_TRANSPORT,
+                 "buffer_register: the allocation holding %p is %zu bytes, not a multiple of "
+                 "2 MiB: peers read such memory up to 1.7x slower; allocate in multiples of "
+                 "2 MiB (PyTorch's caching allocator does)",
+                 ptr, size);
     vote->offset = offset;
     vote->bytes = bytes;
     return EPX_SUCCESS;
