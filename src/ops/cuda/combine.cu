@@ -151,6 +151,9 @@ extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
         if (err != cudaSuccess || launched)
             return err;
     }
-    epx_combine_kernel<2, 4><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
+    /* Up to 8 source rows' loads in flight a lane (2 vectors each, 127 registers, no
+     * spills): 13% faster than 4 rows at 8 blocks a rank and 1% at 16 (H200, standard
+     * case, docs/PERFORMANCE.md, 2026-12-04). */
+    epx_combine_kernel<2, 8><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
     return cudaGetLastError();
 }
