@@ -289,9 +289,9 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
             epx_ll2_prefetch_l2(x + (size_t)(c.t0 + i / line_count) * op.x_stride * 2 +
                                 (size_t)(i % line_count) * 128);
     }
-    /* The routing, each entry once: raw ids, then duplicates of earlier positions -1 (the
-     * first position naming an expert is never changed, so reading a neighbour while it
-     * is being cleared finds the same answer). */
+    /* The routing, each entry once: the ids (out of range: -1, and recorded), then
+     * duplicates of earlier positions -1 (the first position naming an expert is never
+     * changed, so reading a neighbour while it is being cleared finds the same answer). */
     if (c.cached) {
         for (int64_t i = threadIdx.x; i < c.T * k; i += blockDim.x)
             m.cache[i] = epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, i,
