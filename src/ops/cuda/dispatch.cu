@@ -176,10 +176,8 @@ extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
      * during the stores) is 15% faster for bf16 and 1-8% for fp8; at 16 the unpipelined
      * 8-deep form is as fast (bf16) or a few percent faster (fp8). */
     if (args->num_blocks <= EPX_DISPATCH_PIPELINED_MAX_BLOCKS)
-        epx_dispatch_kernel<4, 1><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape,
-                                                                                   *args);
+        epx_dispatch_kernel<4, 1><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
     else
-        epx_dispatch_kernel<8, 0><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape,
-                                                                                   *args);
+        epx_dispatch_kernel<8, 0><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
     return cudaGetLastError();
 }

@@ -34,8 +34,8 @@ static size_t take(size_t *offset, size_t bytes)
 /*
  * The device state after the two result slots (offsets from its start): seq [2][2] and
  * released [2] uint64, arrive [2][4] uint32, mask [R + 2] int32 (the last two words claim
- * the failure record's timeout and bad-id parts), the peer table [R] pointers, then (kernels 2; always laid out) arrived
- * and combine_arrived [2][R] uint64.
+ * the failure record's timeout and bad-id parts), the peer table [R] pointers, then
+ * (kernels 2; always laid out) arrived and combine_arrived [2][R] uint64.
  */
 typedef struct {
     size_t released, arrive, mask, peers, arrived, combine_arrived, bytes;

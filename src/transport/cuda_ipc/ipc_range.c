@@ -67,8 +67,9 @@ static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
                    "segments, has none: register memory from cudaMalloc)",
                    ptr);
     /* Measured on an H200 (docs/PERFORMANCE.md): peers read an allocation whose size is
-     * not a multiple of 2 MiB up to 1.7x slower than one that is (the driver maps it with
-     * smaller pages). Allowed, but said once per registration. */
+     * not a multiple of 2 MiB through CUDA IPC up to 1.7x slower than one that is (in its
+     * own process it reads alike; the driver's reason is not known). Allowed, but said
+     * once per registration. */
     if (size % ((size_t)2 << 20) != 0)
         EPX_WARN(EPX_SUBSYS_TRANSPORT,
                  "buffer_register: the allocation holding %p is %zu bytes, not a multiple of "
