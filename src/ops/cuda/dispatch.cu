@@ -15,7 +15,9 @@
  * stores it to each destination, so x is read once however many ranks receive it. With
  * few blocks (EPX_DISPATCH_PIPELINED_MAX_BLOCKS) the next chunk's loads are issued
  * before the current chunk's stores, so each warp keeps loads in flight while it stores.
- * Lanes 0..K-1 then write the top-k entries for each destination.
+ * A token's first chunk, its top-k entries and its scales are loaded before its routing
+ * (send_row) is read, so one memory latency covers them all. Lanes 0..K-1 then write the
+ * top-k entries for each destination.
  *
  * Signals: the last block to finish (grid counter) stores the sequence number into
  * every receiver's data flag (release, system scope) and waits until every source has
@@ -81,6 +83,24 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int64_t num_warps = (int64_t)gridDim.x * EPX_DISPATCH_WARPS;
 
     for (int64_t t = first_warp; t < a.num_tokens; t += num_warps) {
+        /* Everything the token needs is loaded before its routing is read, so that one
+         * latency covers them all: the row's first chunk, and the small parts (lane k:
+         * top-k entry k; scales lane and lane + 32), which are written after the row. */
+        const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
+        int4 v[kUnroll];
+        epx_ld16_batch<kUnroll>(v, src, 0, units, lane, a.x_align);
+        int64_t my_id = -1;
+        float my_weight = 0.0f, my_scale0 = 0.0f, my_scale1 = 0.0f;
+        if (a.topk_idx != NULL && lane < K) {
+            my_id = a.topk_idx[t * a.topk_stride + lane];
+            if (a.topk_weights != NULL)
+                my_weight = a.topk_weights[t * a.weights_stride + lane];
+        }
+        if (lane < a.num_scales)
+            my_scale0 = a.scales[t * a.scales_stride + lane * a.scales_col_stride];
+        if (lane + 32 < a.num_scales)
+            my_scale1 = a.scales[t * a.scales_stride + (lane + 32) * a.scales_col_stride];
+
         /* Destinations of token t, in rank order, compacted into this warp's list. */
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
@@ -105,29 +125,27 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         if (n == 0)
             continue;
 
-        const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
         const int32_t *rank = dest_rank[warp], *row = dest_row[warp];
-        if (kPipelined) {
-            int4 v[kUnroll], next[kUnroll];
-            epx_ld16_batch<kUnroll>(v, src, 0, units, lane, a.x_align);
-            for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
+        for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
+            if (kPipelined) {
+                int4 next[kUnroll];
                 if (i0 + 32 * kUnroll < units)
                     epx_ld16_batch<kUnroll>(next, src, i0 + 32 * kUnroll, units, lane, a.x_align);
                 epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, v, i0, units, lane);
 #pragma unroll
                 for (int u = 0; u < kUnroll; u++)
                     v[u] = next[u];
-            }
-        } else {
-            for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
-                int4 v[kUnroll];
-                epx_ld16_batch<kUnroll>(v, src, i0, units, lane, a.x_align);
+            } else {
+                if (i0 > 0)
+                    epx_ld16_batch<kUnroll>(v, src, i0, units, lane, a.x_align);
                 epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, v, i0, units, lane);
             }
         }
 
         for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = a.scales[t * a.scales_stride + i * a.scales_col_stride];
+            float scale = i < 32   ? my_scale0
+                          : i < 64 ? my_scale1
+                                   : a.scales[t * a.scales_stride + i * a.scales_col_stride];
             for (int j = 0; j < n; j++) {
                 float *dst = reinterpret_cast<float *>(peers[dest_rank[warp][j]] + s.off_scales);
                 dst[(int64_t)dest_row[warp][j] * a.num_scales + i] = scale;
@@ -136,8 +154,10 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
         if (a.topk_idx != NULL) {
             for (int k = lane; k < K; k += 32) {
-                int64_t e = a.topk_idx[t * a.topk_stride + k];
-                float w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
+                int64_t e = k == lane ? my_id : a.topk_idx[t * a.topk_stride + k];
+                float w = my_weight;
+                if (k != lane)
+                    w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
                 /* Ids out of range were refused by the count exchange before this kernel. */
                 int home = e >= 0 ? (int)(e / L) : -1;
                 for (int j = 0; j < n; j++) {

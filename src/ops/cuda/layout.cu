@@ -10,8 +10,10 @@
  *      caller's is_token_in_rank bits, whose per-expert counts then come from the
  *      caller's num_tokens_per_expert instead of being counted) and its ordinal among
  *      this rank's tokens to each destination (a block-wide scan, 1024 tokens a round,
- *      warp ballots + per-warp totals), written to the handle's send_row; counts per
- *      rank and per expert. Expert ids out of range are recorded, never followed.
+ *      warp ballots + per-warp totals scanned by one warp's shuffles), written to the
+ *      handle's send_row (16-byte stores), counts per rank and per expert. A token's ids
+ *      are loaded at once (notify.cuh), so each round waits for memory once. Expert ids
+ *      out of range are recorded, never followed.
  *   2. One warp per peer writes this rank's count row [R], its per-expert counts for
  *      the peer's experts [L] and its input status into the peer's control area, then
  *      the count flag (release, system scope) carrying the operation's sequence number.

@@ -9,29 +9,70 @@
 
 #include "signal.cuh"
 
+/* A token's first EPX_MASK_IDS top-k ids are loaded at once (16-byte loads where the row
+ * allows), so one memory latency covers them; ids past that are read one by one. */
+#define EPX_MASK_IDS 8
+
 /* Destination rank bit mask of one token; bad ids are recorded and skipped. */
 __device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
                                                    const int64_t *row, int64_t token,
                                                    int32_t *expert_counts, int stage, int *bad)
 {
+    const int K = s.num_topk;
+    int64_t ids[EPX_MASK_IDS];
+    if ((reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+#pragma unroll
+        for (int q = 0; q < EPX_MASK_IDS; q += 2) {
+            if (q + 1 < K) {
+                const longlong2 pair = *reinterpret_cast<const longlong2 *>(row + q);
+                ids[q] = pair.x;
+                ids[q + 1] = pair.y;
+            } else {
+                ids[q] = q < K ? row[q] : -1;
+                ids[q + 1] = -1;
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < EPX_MASK_IDS; k++)
+            ids[k] = k < K ? row[k] : -1;
+    }
+
     uint64_t mask = 0;
-    for (int k = 0; k < s.num_topk; k++) {
-        int64_t e = row[k];
+    /* Entry k = e: counted once per token (an expert named twice in a token's row counts
+     * once, include/epx.h); ids out of range are recorded and skipped. */
+    auto add = [&](int k, int64_t e, bool repeated) {
         if (e == -1)
-            continue;
+            return;
         if (e < -1 || e >= s.num_experts) {
             epx_record_failure(s, EPX_CUDA_FAIL_EXPERT_ID, stage, s.rank, s.rank, e,
-                               token * s.num_topk + k, 0);
+                               token * K + k, 0);
             *bad = 1;
-            continue;
+            return;
         }
-        /* An expert named twice in a token's row counts once (include/epx.h). */
-        bool repeated = false;
-        for (int earlier = 0; earlier < k; earlier++)
-            repeated = repeated || row[earlier] == e;
         if (!repeated)
             atomicAdd(&expert_counts[e], 1);
-        mask |= 1ull << (e / s.num_local_experts);
+        mask |= 1ull << ((int)e / s.num_local_experts);
+    };
+#pragma unroll
+    for (int k = 0; k < EPX_MASK_IDS; k++) {
+        if (k >= K)
+            break;
+        bool repeated = false;
+#pragma unroll
+        for (int i = 0; i < k; i++)
+            repeated = repeated || ids[i] == ids[k];
+        add(k, ids[k], repeated);
+    }
+    for (int k = EPX_MASK_IDS; k < K; k++) {
+        const int64_t e = row[k];
+        bool repeated = false;
+#pragma unroll
+        for (int i = 0; i < EPX_MASK_IDS; i++)
+            repeated = repeated || ids[i] == e;
+        for (int earlier = EPX_MASK_IDS; earlier < k; earlier++)
+            repeated = repeated || row[earlier] == e;
+        add(k, e, repeated);
     }
     return mask;
 }
@@ -46,7 +87,7 @@ __device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
 __device__ __forceinline__ void epx_scan_round(uint64_t mask, int width, int32_t *out,
                                                int32_t *warp_totals, int32_t *running)
 {
-    const int lane = epx_lane(), warp = epx_warp();
+    const int lane = epx_lane(), warp = epx_warp(), warps = (int)(blockDim.x >> 5);
     const unsigned lanes_below = (1u << lane) - 1u;
     for (int w = 0; w < width; w++) {
         unsigned ballot = __ballot_sync(0xffffffffu, (mask >> w) & 1u);
@@ -54,23 +95,49 @@ __device__ __forceinline__ void epx_scan_round(uint64_t mask, int width, int32_t
             warp_totals[warp * EPX_CUDA_MAX_RANKS + w] = __popc(ballot);
     }
     __syncthreads();
-    /* Turn per-warp totals into each warp's first ordinal, carrying the running count. */
-    for (int w = threadIdx.x; w < width; w += blockDim.x) {
-        int32_t acc = running[w];
-        for (int v = 0; v < (int)(blockDim.x >> 5); v++) {
-            int32_t total = warp_totals[v * EPX_CUDA_MAX_RANKS + w];
-            warp_totals[v * EPX_CUDA_MAX_RANKS + w] = acc;
-            acc += total;
+    /* Each warp's first ordinal, carrying the running count: warp 0 scans the per-warp
+     * totals of one destination at a time, a lane per warp. */
+    if (warp == 0) {
+        for (int w = 0; w < width; w++) {
+            const int32_t total = lane < warps ? warp_totals[lane * EPX_CUDA_MAX_RANKS + w] : 0;
+            int32_t inclusive = total;
+#pragma unroll
+            for (int d = 1; d < 32; d <<= 1) {
+                const int32_t below = __shfl_up_sync(0xffffffffu, inclusive, d);
+                if (lane >= d)
+                    inclusive += below;
+            }
+            const int32_t base = running[w];
+            if (lane < warps)
+                warp_totals[lane * EPX_CUDA_MAX_RANKS + w] = base + inclusive - total;
+            __syncwarp();
+            if (lane == 31)
+                running[w] = base + inclusive;
+            __syncwarp();
         }
-        running[w] = acc;
     }
     __syncthreads();
-    for (int w = 0; w < width; w++) {
-        unsigned ballot = __ballot_sync(0xffffffffu, (mask >> w) & 1u);
-        if (out != NULL) {
-            int32_t ordinal = warp_totals[warp * EPX_CUDA_MAX_RANKS + w] +
-                              __popc(ballot & lanes_below);
-            out[w] = ((mask >> w) & 1u) ? ordinal : -1;
+    /* The ordinals, four destinations a store where the row allows. */
+    const bool vector = out != NULL && (width & 3) == 0 &&
+                        (reinterpret_cast<uintptr_t>(out) & 15u) == 0;
+    for (int w0 = 0; w0 < width; w0 += 4) {
+        int32_t ordinal[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int w = w0 + i;
+            const unsigned bit = w < width ? (unsigned)((mask >> w) & 1u) : 0u;
+            const unsigned ballot = __ballot_sync(0xffffffffu, bit);
+            const int32_t first = warp_totals[warp * EPX_CUDA_MAX_RANKS + (w < width ? w : 0)];
+            ordinal[i] = bit ? first + __popc(ballot & lanes_below) : -1;
+        }
+        if (vector) {
+            *reinterpret_cast<int4 *>(out + w0) =
+                make_int4(ordinal[0], ordinal[1], ordinal[2], ordinal[3]);
+        } else if (out != NULL) {
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if (w0 + i < width)
+                    out[w0 + i] = ordinal[i];
         }
     }
     __syncthreads();
