@@ -164,6 +164,14 @@ static void nvshmem_defaults(size_t sym_bytes)
         char value[32];
         snprintf(value, sizeof(value), "%zu", sym_bytes + slack);
         setenv("NVSHMEM_SYMMETRIC_SIZE", value, 0);
+    } else {
+        /* Known issue, cause not found (docs/LOW_LATENCY.md, "The GPU backend: NVSHMEM"). */
+        EPX_WARN(EPX_SUBSYS_TRANSPORT,
+                 "NVSHMEM_SYMMETRIC_SIZE=%s is set, so epx does not size the heap (it needs %zu "
+                 "bytes): with an 8 GiB heap, 3 of 11 low-latency benchmark runs on one GPU "
+                 "(8 ranks under MPS) gave wrong results; unset it unless another NVSHMEM user "
+                 "in this process needs it",
+                 getenv("NVSHMEM_SYMMETRIC_SIZE"), sym_bytes);
     }
     /* epx uses no NVSHMEM collectives; NVLink SHARP would only cost memory. */
     setenv("NVSHMEM_DISABLE_NVLS", "1", 0);
