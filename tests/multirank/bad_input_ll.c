@@ -1,7 +1,9 @@
 /*
  * Rejected inputs of the low-latency entry points (one rank). Each is refused before
  * anything is sent, so unlike normal mode the buffer stays usable: the last case runs
- * a valid step on the same buffer.
+ * a valid step on the same buffer. Expert ids out of range are the exception on the GPU,
+ * where only the kernels read topk_idx: they treat the entry as -1 and report it
+ * asynchronously (dispatch and combine, short and long routing, outputs checked).
  */
 #include <stddef.h>
 #include <stdlib.h>
@@ -70,6 +72,137 @@ static epx_ll_combine_args_t ll_combine_args(epx_ll_handle_t handle, epx_tensor_
     args.topk_weights = epx_tensor_2d(ll_mem.weights, EPX_DTYPE_FP32, LL_TOKENS, BI_TOPK);
     args.out = epx_tensor_2d(ll_mem.out, EPX_DTYPE_BF16, LL_TOKENS, LL_HIDDEN);
     return args;
+}
+
+/* The async error of a bad id found by the GPU kernels: INVALID_ARG naming the entry. */
+static void ll_expect_async_bad_id(epx_buffer_t buffer, const char *what, const char *names)
+{
+    mr_mem_sync();
+    epx_status_t async = EPX_SUCCESS;
+    char text[256];
+    CHECK_OK(epx_get_async_error(buffer, &async, text, sizeof text));
+    CHECK_EQ_INT(async, EPX_ERR_INVALID_ARG);
+    if (strstr(text, names) == NULL)
+        TEST_FAIL("%s: async error \"%s\" does not name %s", what, text, names);
+    printf("rejected %-44s %-20s \"%s\"\n", what, epx_status_name(async), text);
+}
+
+/* out[t][*] == want[t] for every token (bf16 bits). */
+static void ll_check_out(const char *what, const uint16_t *want, int64_t tokens)
+{
+    uint16_t *out = malloc((size_t)(tokens * LL_HIDDEN) * 2);
+    CHECK(out != NULL);
+    mr_mem_to_host(out, ll_mem.out, (size_t)(tokens * LL_HIDDEN) * 2);
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < LL_HIDDEN; h++)
+            if (out[t * LL_HIDDEN + h] != want[t])
+                TEST_FAIL("%s: out[%lld][%lld] is 0x%04x, expected 0x%04x", what, (long long)t,
+                          (long long)h, out[t * LL_HIDDEN + h], want[t]);
+    free(out);
+}
+
+/*
+ * A bad expert id in a combine's topk_idx. The host refuses it where it reads topk_idx
+ * (CPU backend); the GPU kernels treat the entry as -1 and report it asynchronously. A
+ * buffer of its own: the failure record keeps the first bad id of a buffer only.
+ * Values: expert outputs all 1.0, weights 0.25, so a token's output is 0.25 per entry
+ * that counts (0.5 with both, 0.25 without the bad one).
+ */
+static void ll_combine_bad_id_case(void)
+{
+    const int64_t tokens = LL_TOKENS;
+    epx_buffer_t buffer = ll_buffer(LL_HIDDEN, BI_MAX_TOKENS);
+    epx_ll_dispatch_args_t args = ll_args(LL_HIDDEN, tokens);
+    epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
+    epx_tensor_t x;
+    CHECK_OK(epx_ll_get_combine_buffer(buffer, result.handle, &x));
+    size_t x_elems = (size_t)(x.shape[0] * x.shape[1] * x.shape[2]);
+    uint16_t *ones = malloc(x_elems * 2);
+    CHECK(ones != NULL);
+    for (size_t i = 0; i < x_elems; i++)
+        ones[i] = 0x3f80; /* 1.0 */
+    mr_mem_to_device(x.data, ones, x_elems * 2);
+    free(ones);
+    for (int64_t i = 0; i < tokens * BI_TOPK; i++)
+        weight_data[i] = 0.25f;
+    mr_mem_to_device(ll_mem.weights, weight_data, (size_t)(tokens * BI_TOPK) * sizeof(float));
+    idx_data[2 * BI_TOPK + 1] = BI_EXPERTS_PER_RANK * bi_info.world_size;
+    ll_upload_idx(tokens);
+
+    epx_ll_combine_args_t back = ll_combine_args(result.handle, x);
+    uint16_t want[LL_TOKENS] = {0x3f00, 0x3f00, 0x3f00, 0x3f00}; /* 0.5 */
+    if (mr_mem_is_device()) {
+        CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
+        ll_expect_async_bad_id(buffer, "ll: combine expert id out of range (async)",
+                               "ll_combine: topk_idx[2][1] is");
+        want[2] = 0x3e80; /* 0.25: the bad entry counted as -1 */
+    } else {
+        bi_expect("ll: combine expert id out of range", epx_ll_combine(buffer, &back, NULL, NULL),
+                  EPX_ERR_INVALID_ARG, "topk_idx");
+        idx_data[2 * BI_TOPK + 1] = (2 * BI_TOPK + 1) % BI_EXPERTS_PER_RANK;
+        ll_upload_idx(tokens);
+        CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
+    }
+    ll_check_out("ll: combine after a bad id", want, tokens);
+    CHECK_OK(epx_buffer_destroy(buffer));
+}
+
+/*
+ * A bad expert id in a dispatch of more than 2048 top-k entries (the GPU's kernels 2 read
+ * such routing without their cache), late in the token range. Host: refused; GPU: the
+ * step completes and the async error names the entry.
+ */
+static void ll_long_dispatch_bad_id_case(void)
+{
+    const int64_t tokens = 1040, entries = tokens * BI_TOPK;
+    epx_buffer_t buffer = ll_buffer(LL_HIDDEN, tokens);
+    uint16_t *x_host = calloc((size_t)(tokens * LL_HIDDEN), 2);
+    int64_t *idx_host = malloc((size_t)entries * sizeof(int64_t));
+    float *weights_host = malloc((size_t)entries * sizeof(float));
+    CHECK(x_host != NULL && idx_host != NULL && weights_host != NULL);
+    for (int64_t i = 0; i < entries; i++) {
+        idx_host[i] = i % BI_EXPERTS_PER_RANK;
+        weights_host[i] = 0.25f;
+    }
+    idx_host[1030 * BI_TOPK + 1] = -5;
+    void *x = mr_mem_from_host(x_host, (size_t)(tokens * LL_HIDDEN) * 2);
+    int64_t *idx = mr_mem_from_host(idx_host, (size_t)entries * sizeof(int64_t));
+    float *weights = mr_mem_from_host(weights_host, (size_t)entries * sizeof(float));
+    void *out = mr_mem_alloc((size_t)(tokens * LL_HIDDEN) * 2, 0);
+
+    epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, tokens, LL_HIDDEN);
+    args.topk_idx = epx_tensor_2d(idx, EPX_DTYPE_INT64, tokens, BI_TOPK);
+    epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
+    if (mr_mem_is_device()) {
+        CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
+        ll_expect_async_bad_id(buffer, "ll: id out of range, 2080 entries (async)",
+                               "ll_dispatch: topk_idx[1030][1] is -5");
+        /* The step still combines (the same entry is left out there too). */
+        epx_tensor_t combine_x;
+        CHECK_OK(epx_ll_get_combine_buffer(buffer, result.handle, &combine_x));
+        epx_ll_combine_args_t back = EPX_LL_COMBINE_ARGS_INIT;
+        back.handle = result.handle;
+        back.x = combine_x;
+        back.topk_idx = args.topk_idx;
+        back.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, tokens, BI_TOPK);
+        back.out = epx_tensor_2d(out, EPX_DTYPE_BF16, tokens, LL_HIDDEN);
+        CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
+        mr_mem_sync();
+    } else {
+        bi_expect("ll: id out of range, 2080 entries",
+                  epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG,
+                  "topk_idx[1030][1]");
+    }
+    CHECK_OK(epx_buffer_destroy(buffer));
+    mr_mem_free(x);
+    mr_mem_free(idx);
+    mr_mem_free(weights);
+    mr_mem_free(out);
+    free(x_host);
+    free(idx_host);
+    free(weights_host);
 }
 
 void bi_run_ll_cases(void)
@@ -160,15 +293,8 @@ void bi_run_ll_cases(void)
          * as -1, the step completes, the async error names the entry, and the buffer stays
          * usable (the valid steps below run on it). */
         CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
-        mr_mem_sync();
-        epx_status_t async = EPX_SUCCESS;
-        char text[256];
-        CHECK_OK(epx_get_async_error(buffer, &async, text, sizeof text));
-        CHECK_EQ_INT(async, EPX_ERR_INVALID_ARG);
-        if (strstr(text, "ll_dispatch: topk_idx[1][1] is") == NULL)
-            TEST_FAIL("ll: async error \"%s\" does not name topk_idx[1][1]", text);
-        printf("rejected %-44s %-20s \"%s\"\n", "ll: expert id out of range (async)",
-               epx_status_name(async), text);
+        ll_expect_async_bad_id(buffer, "ll: expert id out of range (async)",
+                               "ll_dispatch: topk_idx[1][1] is");
     } else {
         bi_expect("ll: expert id out of range", epx_ll_dispatch(buffer, &args, &result, NULL),
                   EPX_ERR_INVALID_ARG, "topk_idx");
@@ -263,6 +389,8 @@ void bi_run_ll_cases(void)
     back = ll_combine_args(result.handle, x);
     CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
     CHECK_OK(epx_buffer_destroy(buffer));
+    ll_combine_bad_id_case();
+    ll_long_dispatch_bad_id_case();
     mr_mem_free(ll_mem.x);
     mr_mem_free(ll_mem.out);
     mr_mem_free(ll_mem.idx);
