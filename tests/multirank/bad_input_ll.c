@@ -74,6 +74,21 @@ static epx_ll_combine_args_t ll_combine_args(epx_ll_handle_t handle, epx_tensor_
     return args;
 }
 
+/* Combine arguments for a step dispatched with `dispatched`: its handle, the step's
+ * combine buffer as x, the same routing, `weights` (out is left to the caller). */
+static epx_ll_combine_args_t ll_combine_for(epx_buffer_t buffer, epx_ll_handle_t handle,
+                                            const epx_ll_dispatch_args_t *dispatched,
+                                            float *weights)
+{
+    epx_ll_combine_args_t back = EPX_LL_COMBINE_ARGS_INIT;
+    back.handle = handle;
+    CHECK_OK(epx_ll_get_combine_buffer(buffer, handle, &back.x));
+    back.topk_idx = dispatched->topk_idx;
+    back.topk_weights =
+        epx_tensor_2d(weights, EPX_DTYPE_FP32, dispatched->topk_idx.shape[0], BI_TOPK);
+    return back;
+}
+
 /* The async error of a bad id found by the GPU kernels: INVALID_ARG naming the entry. */
 static void ll_expect_async_bad_id(epx_buffer_t buffer, const char *what, const char *names)
 {
@@ -180,13 +195,7 @@ static void ll_long_dispatch_bad_id_case(void)
         ll_expect_async_bad_id(buffer, "ll: id out of range, 2080 entries (async)",
                                "ll_dispatch: topk_idx[1030][1] is -5");
         /* The step still combines (the same entry is left out there too). */
-        epx_tensor_t combine_x;
-        CHECK_OK(epx_ll_get_combine_buffer(buffer, result.handle, &combine_x));
-        epx_ll_combine_args_t back = EPX_LL_COMBINE_ARGS_INIT;
-        back.handle = result.handle;
-        back.x = combine_x;
-        back.topk_idx = args.topk_idx;
-        back.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, tokens, BI_TOPK);
+        epx_ll_combine_args_t back = ll_combine_for(buffer, result.handle, &args, weights);
         back.out = epx_tensor_2d(out, EPX_DTYPE_BF16, tokens, LL_HIDDEN);
         CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
         mr_mem_sync();
@@ -434,13 +443,7 @@ void bi_run_ll_alignment_cases(void)
     /* Not refused, nothing turned over: a valid step now. */
     args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, tokens, hidden);
     CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
-    epx_tensor_t combine_x;
-    CHECK_OK(epx_ll_get_combine_buffer(buffer, result.handle, &combine_x));
-    epx_ll_combine_args_t back = EPX_LL_COMBINE_ARGS_INIT;
-    back.handle = result.handle;
-    back.x = combine_x;
-    back.topk_idx = args.topk_idx;
-    back.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, tokens, BI_TOPK);
+    epx_ll_combine_args_t back = ll_combine_for(buffer, result.handle, &args, weights);
     if (gpu) {
         back.out = epx_tensor_2d(out + 2, EPX_DTYPE_BF16, tokens, hidden);
         bi_expect("ll: combine out 2 bytes off a 16-byte boundary",
