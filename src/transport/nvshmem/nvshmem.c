@@ -168,8 +168,8 @@ static void nvshmem_defaults(size_t sym_bytes)
         /* Known issue, cause not found (docs/LOW_LATENCY.md, "The GPU backend: NVSHMEM"). */
         EPX_WARN(EPX_SUBSYS_TRANSPORT,
                  "NVSHMEM_SYMMETRIC_SIZE=%s is set, so epx does not size the heap (it needs %zu "
-                 "bytes): with an 8 GiB heap, 3 of 11 low-latency benchmark runs on one GPU "
-                 "(8 ranks under MPS) gave wrong results; unset it unless another NVSHMEM user "
+                 "bytes); some runs with an 8 GiB heap gave wrong low-latency results on a GPU "
+                 "shared by 8 ranks (docs/LOW_LATENCY.md): unset it unless another NVSHMEM user "
                  "in this process needs it",
                  getenv("NVSHMEM_SYMMETRIC_SIZE"), sym_bytes);
     }
