@@ -22,6 +22,13 @@ extern epx_group_info_t bi_info;
  */
 void bi_expect(const char *what, epx_status_t got, epx_status_t want, const char *culprit);
 
+/*
+ * An input error the GPU finds on the device (the host never reads the tensor): after the
+ * stream has run, the buffer's async error is EPX_ERR_INVALID_ARG and its text contains
+ * `names`. Prints it; ends the test otherwise.
+ */
+void bi_expect_async(epx_buffer_t buffer, const char *what, const char *names);
+
 /* A fresh buffer and valid dispatch arguments for `tokens` tokens of this rank. */
 typedef struct {
     moe_case_t c;

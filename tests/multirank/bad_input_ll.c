@@ -89,19 +89,6 @@ static epx_ll_combine_args_t ll_combine_for(epx_buffer_t buffer, epx_ll_handle_t
     return back;
 }
 
-/* The async error of a bad id found by the GPU kernels: INVALID_ARG naming the entry. */
-static void ll_expect_async_bad_id(epx_buffer_t buffer, const char *what, const char *names)
-{
-    mr_mem_sync();
-    epx_status_t async = EPX_SUCCESS;
-    char text[256];
-    CHECK_OK(epx_get_async_error(buffer, &async, text, sizeof text));
-    CHECK_EQ_INT(async, EPX_ERR_INVALID_ARG);
-    if (strstr(text, names) == NULL)
-        TEST_FAIL("%s: async error \"%s\" does not name %s", what, text, names);
-    printf("rejected %-44s %-20s \"%s\"\n", what, epx_status_name(async), text);
-}
-
 /* out[t][*] == want[t] for every token (bf16 bits). */
 static void ll_check_out(const char *what, const uint16_t *want, int64_t tokens)
 {
@@ -149,8 +136,8 @@ static void ll_combine_bad_id_case(void)
     uint16_t want[LL_TOKENS] = {0x3f00, 0x3f00, 0x3f00, 0x3f00}; /* 0.5 */
     if (mr_mem_is_device()) {
         CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
-        ll_expect_async_bad_id(buffer, "ll: combine expert id out of range (async)",
-                               "ll_combine: topk_idx[2][1] is");
+        bi_expect_async(buffer, "ll: combine expert id out of range (async)",
+                        "ll_combine: topk_idx[2][1] is");
         want[2] = 0x3e80; /* 0.25: the bad entry counted as -1 */
     } else {
         bi_expect("ll: combine expert id out of range", epx_ll_combine(buffer, &back, NULL, NULL),
@@ -192,8 +179,8 @@ static void ll_long_dispatch_bad_id_case(void)
     epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
     if (mr_mem_is_device()) {
         CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
-        ll_expect_async_bad_id(buffer, "ll: id out of range, 2080 entries (async)",
-                               "ll_dispatch: topk_idx[1030][1] is -5");
+        bi_expect_async(buffer, "ll: id out of range, 2080 entries (async)",
+                        "ll_dispatch: topk_idx[1030][1] is -5");
         /* The step still combines (the same entry is left out there too). */
         epx_ll_combine_args_t back = ll_combine_for(buffer, result.handle, &args, weights);
         back.out = epx_tensor_2d(out, EPX_DTYPE_BF16, tokens, LL_HIDDEN);
@@ -302,8 +289,8 @@ void bi_run_ll_cases(void)
          * as -1, the step completes, the async error names the entry, and the buffer stays
          * usable (the valid steps below run on it). */
         CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
-        ll_expect_async_bad_id(buffer, "ll: expert id out of range (async)",
-                               "ll_dispatch: topk_idx[1][1] is");
+        bi_expect_async(buffer, "ll: expert id out of range (async)",
+                        "ll_dispatch: topk_idx[1][1] is");
     } else {
         bi_expect("ll: expert id out of range", epx_ll_dispatch(buffer, &args, &result, NULL),
                   EPX_ERR_INVALID_ARG, "topk_idx");

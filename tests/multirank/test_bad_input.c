@@ -51,6 +51,18 @@ void bi_expect(const char *what, epx_status_t got, epx_status_t want, const char
     printf("rejected %-44s %-20s \"%s\"\n", what, epx_status_name(got), epx_last_error());
 }
 
+void bi_expect_async(epx_buffer_t buffer, const char *what, const char *names)
+{
+    mr_mem_sync();
+    epx_status_t async = EPX_SUCCESS;
+    char text[256];
+    CHECK_OK(epx_get_async_error(buffer, &async, text, sizeof text));
+    CHECK_EQ_INT(async, EPX_ERR_INVALID_ARG);
+    if (strstr(text, names) == NULL)
+        TEST_FAIL("%s: async error \"%s\" does not name %s", what, text, names);
+    printf("rejected %-44s %-20s \"%s\"\n", what, epx_status_name(async), text);
+}
+
 /* ---------------------------------------------------------------- fixture */
 
 void bi_setup(bi_fixture_t *f, epx_dtype_t dtype, int64_t tokens)
