@@ -19,13 +19,13 @@ int moe_ll_inputs_make(const moe_case_t *c, int rank, moe_inputs_t *in)
     return 0;
 }
 
-/* Value of the non-negative e4m3 code `code` (0..126). */
+/* Value of the non-negative e4m3 code `code` (0..126); it rises with the code. */
 static double e4m3_value(int code)
 {
     int exponent = code >> 3, mantissa = code & 7;
     if (exponent == 0)
         return mantissa / 512.0;
-    return (1.0 + mantissa / 8.0) * pow(2.0, exponent - 7);
+    return ldexp(1.0 + mantissa / 8.0, exponent - 7);
 }
 
 uint8_t moe_ll_to_e4m3(float value)
@@ -34,16 +34,21 @@ uint8_t moe_ll_to_e4m3(float value)
         return 0x7f;
     uint8_t sign = value < 0.0f || (value == 0.0f && signbit(value)) ? 0x80 : 0;
     double a = fabs((double)value);
-    int best = 0;
-    double best_distance = INFINITY;
-    for (int code = 0; code <= 126; code++) {
-        double distance = fabs(a - e4m3_value(code));
-        if (distance < best_distance || (distance == best_distance && (code & 1) == 0)) {
-            best = code;
-            best_distance = distance;
-        }
+    /* The nearest code, ties to the even one; beyond 448 the nearest code is 448 itself.
+     * Bisection for the codes around `a`: low <= a < high. */
+    if (a >= e4m3_value(126))
+        return sign | 126;
+    int low = 0, high = 126;
+    while (high - low > 1) {
+        int middle = (low + high) / 2;
+        if (e4m3_value(middle) <= a)
+            low = middle;
+        else
+            high = middle;
     }
-    return sign | (uint8_t)best; /* beyond 448 the nearest code is 448 itself */
+    double below = a - e4m3_value(low), above = e4m3_value(high) - a;
+    int best = below < above ? low : above < below ? high : (low & 1) == 0 ? low : high;
+    return sign | (uint8_t)best;
 }
 
 static int first_position(const int64_t *idx, int k, int64_t expert)

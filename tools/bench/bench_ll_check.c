@@ -277,6 +277,9 @@ void epx__bench_ll_run_first(ll_case_t *lc, int32_t check[EPX__BENCH_LL_OP_COUNT
     }
     for (int op = 0; op < EPX__BENCH_LL_OP_COUNT; op++)
         check[op] = checking ? EPX__BENCH_CHECK_PASS : EPX__BENCH_CHECK_NONE;
+    /* The oracle takes each rank a different time, and the first operation's waits for
+     * peers count from its start: start it together. */
+    epx__bench_must(lc->rank, epx_group_barrier(lc->group), "epx_group_barrier");
 
     /* The whole calls. */
     epx_ll_dispatch_result_t whole = epx__bench_ll_run_dispatch(lc, 0);

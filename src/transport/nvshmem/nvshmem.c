@@ -165,12 +165,9 @@ static void nvshmem_defaults(size_t sym_bytes)
         snprintf(value, sizeof(value), "%zu", sym_bytes + slack);
         setenv("NVSHMEM_SYMMETRIC_SIZE", value, 0);
     } else {
-        /* Known issue, cause not found (docs/LOW_LATENCY.md, "The GPU backend: NVSHMEM"). */
-        EPX_WARN(EPX_SUBSYS_TRANSPORT,
+        EPX_INFO(EPX_SUBSYS_TRANSPORT,
                  "NVSHMEM_SYMMETRIC_SIZE=%s is set, so epx does not size the heap (it needs %zu "
-                 "bytes); some runs with an 8 GiB heap gave wrong low-latency results on a GPU "
-                 "shared by 8 ranks (docs/LOW_LATENCY.md): unset it unless another NVSHMEM user "
-                 "in this process needs it",
+                 "bytes)",
                  getenv("NVSHMEM_SYMMETRIC_SIZE"), sym_bytes);
     }
     /* epx uses no NVSHMEM collectives; NVLink SHARP would only cost memory. */
