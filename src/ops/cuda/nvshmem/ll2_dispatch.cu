@@ -76,15 +76,19 @@ __device__ __forceinline__ send_smem_t send_smem(char *base, int experts, int to
     return m;
 }
 
-/* Entry (t, j)'s expert when it is the first top-k position naming it, else -1. */
-__device__ __forceinline__ int entry_expert(const epx_ll_op_t &op, const int32_t *cache, int cached,
-                                            int64_t t, int j, int k, int E)
+/*
+ * Entry (t, j)'s expert when it is the first top-k position naming it, else -1; an id out
+ * of range is -1, and recorded when `record` (one block's pass over all entries).
+ */
+__device__ __forceinline__ int entry_expert(const epx_ll_shape_t &s, const epx_ll_op_t &op,
+                                            const int32_t *cache, int cached, int64_t t, int j,
+                                            int k, int record)
 {
     if (cached)
         return cache[t * k + j];
     const int64_t *idx = op.topk_idx + t * op.idx_stride;
-    const int64_t e = idx[j];
-    return (e >= 0 && e < E && !epx_ll_seen_before(idx, j, e)) ? (int)e : -1;
+    const int e = epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, t * k + j, idx[j], record);
+    return (e >= 0 && !epx_ll_seen_before(idx, j, e)) ? e : -1;
 }
 
 /* Call-wide values of the send part. */
@@ -291,15 +295,12 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     }
     /* The routing, each entry once: the ids (out of range: -1, and recorded), then
      * duplicates of earlier positions -1 (the first position naming an expert is never
-     * changed, so reading a neighbour while it is being cleared finds the same answer). */
+     * changed, so reading a neighbour while it is being cleared finds the same answer).
+     * Without the cache, block 0 records ids out of range in step 2's pass. */
     if (c.cached) {
         for (int64_t i = threadIdx.x; i < c.T * k; i += blockDim.x)
             m.cache[i] = epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, i,
                                                op.topk_idx[(i / k) * op.idx_stride + i % k]);
-    } else if (blockIdx.x == 0) { /* ids out of range: recorded here, skipped everywhere */
-        for (int64_t i = threadIdx.x; i < c.T * k; i += blockDim.x)
-            (void)epx_ll_expert_or_none(s, EPX_LL_STAGE_DISPATCH, i,
-                                        op.topk_idx[(i / k) * op.idx_stride + i % k]);
     }
     for (int i = threadIdx.x; i < E; i += blockDim.x) {
         m.hist[i] = 0;
@@ -340,7 +341,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
 
     /* 2. Counts: all tokens, and those before this block's range. */
     for (int64_t i = threadIdx.x; i < c.T * k; i += blockDim.x) {
-        const int e = entry_expert(op, m.cache, c.cached, i / k, (int)(i % k), k, E);
+        const int e = entry_expert(s, op, m.cache, c.cached, i / k, (int)(i % k), k, blockIdx.x == 0);
         if (e < 0)
             continue;
         atomicAdd(&m.hist[e], 1);
@@ -409,7 +410,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     for (int64_t c0 = c.t0; c0 < c.t1; c0 += c.C) {
         const int n = (int)min((int64_t)c.C, c.t1 - c0);
         for (int i = threadIdx.x; i < n * k; i += blockDim.x)
-            m.chunk_expert[i] = entry_expert(op, m.cache, c.cached, c0 + i / k, i % k, k, E);
+            m.chunk_expert[i] = entry_expert(s, op, m.cache, c.cached, c0 + i / k, i % k, k, 0);
         __syncthreads();
         /* Rows in token order: one warp walks the tokens (a token's experts are distinct). */
         if (warp == 0) {

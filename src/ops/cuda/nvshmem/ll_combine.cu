@@ -120,9 +120,11 @@ __device__ __forceinline__ void epx_ll_entry(const epx_ll_shape_t &s, const epx_
         return;
     const int64_t *idx = op.topk_idx + t * op.idx_stride;
     const int64_t e = epx_ll_expert_or_none(s, EPX_LL_STAGE_COMBINE, t * k + j, idx[j]);
-    if (e < 0 || !ok[e / L])
+    if (e < 0)
         return;
     const int r = (int)(e / L);
+    if (!ok[r])
+        return;
     int first = 0;
     while (idx[first] != e)
         first++;
