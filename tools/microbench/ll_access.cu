@@ -13,7 +13,11 @@
  *            the piece of the token's 8 rows (16 bytes a lane each) and stores their
  *            integer sum; "1 unit" keeps 8 loads a lane in flight, "2 units" 16;
  *   scatter: the dispatch's send: a warp loads 512 bytes of a 7,168-byte source row and
- *            stores them to the token's 8 rows; 4 such loads a lane in flight.
+ *            stores them to the token's 8 rows; 4 such loads a lane in flight;
+ *   gather through shared memory: the gather's units, but each lane's 8 loads are
+ *            asynchronous copies (`cp.async`, 16 bytes) into a ring of 3 slots per warp
+ *            (192 KiB a block), the warp adding unit i while units i + 1 and i + 2 are in
+ *            flight: as many bytes in flight as "2 units", none held in registers.
  *
  *   epx_ll_access RANK RANKS DIR   (DIR: a directory the processes share, for the IPC
  *                                   handles and the barriers between patterns)
@@ -120,6 +124,62 @@ __global__ void __launch_bounds__(kThreads) scatter(const char *x, char *const *
     }
 }
 
+constexpr int kAsyncSlots = 3;
+constexpr size_t kAsyncRingBytes = (size_t)(kThreads / 32) * kAsyncSlots * kTopk * 512;
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *global)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))), "l"(global)
+                 : "memory");
+}
+
+/* The gather's units through a ring of kAsyncSlots slots per warp (8 pieces of 512 B). */
+__global__ void __launch_bounds__(kThreads) gather_async(const char *const *rows, char *out)
+{
+    extern __shared__ __align__(128) char ring[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int pieces = kRowBytes / 512;
+    int t0, t1;
+    block_tokens(&t0, &t1);
+    const int units = (t1 - t0) * pieces;
+    char *slots = ring + (size_t)warp * kAsyncSlots * kTopk * 512;
+    /* The warp's i-th unit into slot i % kAsyncSlots; one commit group each, empty past
+     * the end, so that "all but the newest kAsyncSlots - 2 groups done" is unit i. */
+    auto issue = [&](int i) {
+        const int u = warp + i * warps;
+        if (u < units) {
+            const int t = t0 + u / pieces, piece = u % pieces;
+            char *slot = slots + (size_t)(i % kAsyncSlots) * kTopk * 512;
+#pragma unroll
+            for (int j = 0; j < kTopk; j++)
+                cp_async16(slot + j * 512 + lane * 16, rows[t * kTopk + j] + piece * 512 + lane * 16);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    const int mine = warp < units ? (units - warp + warps - 1) / warps : 0;
+    for (int i = 0; i < kAsyncSlots - 1; i++)
+        issue(i);
+    for (int i = 0; i < mine; i++) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(kAsyncSlots - 2) : "memory");
+        const int u = warp + i * warps, t = t0 + u / pieces, piece = u % pieces;
+        const char *slot = slots + (size_t)(i % kAsyncSlots) * kTopk * 512;
+        int4 sum = make_int4(0, 0, 0, 0);
+#pragma unroll
+        for (int j = 0; j < kTopk; j++) {
+            const int4 v = *reinterpret_cast<const int4 *>(slot + j * 512 + lane * 16);
+            sum.x += v.x;
+            sum.y += v.y;
+            sum.z += v.z;
+            sum.w += v.w;
+        }
+        reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
+        /* Into the slot unit i - 1 used (added one step ago). */
+        issue(i + kAsyncSlots - 1);
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
 /* Every process reaches `name` before any goes on (files in the shared directory). */
 void barrier(const std::string &dir, const std::string &name, int rank, int ranks)
 {
@@ -221,8 +281,11 @@ int main(int argc, char **argv)
     static const char *const names[] = {
         "gather, 1 unit (8 loads a lane), own memory  ", "gather, 1 unit (8 loads a lane), peers' memory",
         "gather, 2 units (16 loads a lane), own memory", "gather, 2 units (16 loads a lane), peers' memory",
-        "scatter to 8 rows, own memory                ", "scatter to 8 rows, peers' memory             "};
-    for (int pattern = 0; pattern < 6; pattern++) {
+        "scatter to 8 rows, own memory                ", "scatter to 8 rows, peers' memory             ",
+        "gather through shared memory, own memory     ", "gather through shared memory, peers' memory  "};
+    CHECK_CUDA(cudaFuncSetAttribute(gather_async, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kAsyncRingBytes));
+    for (int pattern = 0; pattern < 8; pattern++) {
         const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
         CHECK_CUDA(cudaMemcpy(rows_dev, rows.data(), sizeof(char *) * rows.size(), cudaMemcpyHostToDevice));
         auto launch = [&]() {
@@ -230,8 +293,10 @@ int main(int argc, char **argv)
                 gather<1><<<kBlocks, kThreads>>>(rows_dev, out);
             else if (pattern < 4)
                 gather<2><<<kBlocks, kThreads>>>(rows_dev, out);
-            else
+            else if (pattern < 6)
                 scatter<<<kBlocks, kThreads>>>(x, rows_dev);
+            else
+                gather_async<<<kBlocks, kThreads, kAsyncRingBytes>>>(rows_dev, out);
         };
         for (int i = 0; i < 5; i++)
             launch();
@@ -251,8 +316,8 @@ int main(int argc, char **argv)
         ms /= kLaunches;
         /* Bytes through memory per launch: rows read + outputs written, or source read +
          * rows written. */
-        const double bytes = pattern < 4 ? (double)kTokens * (kTopk + 1) * kRowBytes
-                                         : (double)kTokens * (kTopk + 1) * kFp8RowBytes;
+        const double bytes = pattern < 4 || pattern >= 6 ? (double)kTokens * (kTopk + 1) * kRowBytes
+                                                         : (double)kTokens * (kTopk + 1) * kFp8RowBytes;
         printf("%d  rank %d  %s  %7.1f us  %6.0f GB/s  (x %d processes: %6.0f GB/s)\n", pattern + 1,
                rank, names[pattern], ms * 1e3, bytes / ms / 1e6, ranks, ranks * bytes / ms / 1e6);
         fflush(stdout);
