@@ -1,6 +1,7 @@
 /*
- * Checks the test oracle itself (tests/common/moe_case.c) on cases small enough to work
- * out by hand: 2 ranks, 4 experts (experts 0-1 on rank 0, 2-3 on rank 1), 3 tokens.
+ * Checks the test oracle itself (tests/common/moe_case.c, and the fp8 cast of moe_ll.c) on
+ * cases small enough to work out by hand: 2 ranks, 4 experts (experts 0-1 on rank 0, 2-3
+ * on rank 1), 3 tokens.
  * Everything the multi-rank tests trust about the expected results is pinned here.
  */
 #include <math.h>
@@ -8,6 +9,7 @@
 #include <string.h>
 
 #include "moe_case.h"
+#include "moe_ll.h"
 #include "test_util.h"
 
 static moe_case_t tiny_case(void)
@@ -47,6 +49,35 @@ static void check_bf16(void)
  *   rank 1: t0 {2,1}  t1 {3,0}  t2 {2,1}
  */
 static const int64_t tiny_topk[2][6] = {{1, 3, 2, 1, 3, 2}, {2, 1, 3, 0, 2, 1}};
+
+/* The low-latency oracle's fp8 e4m3 ("fn": bias 7, largest 448, 0x7f NaN), worked out by
+ * hand: code = exponent << 3 | mantissa, value (1 + m / 8) * 2^(e - 7), or m / 512 when
+ * e = 0; the nearest code, ties to the even code, beyond 448 the code of 448. */
+static void check_e4m3(void)
+{
+    CHECK_EQ_INT(moe_ll_to_e4m3(0.0f), 0x00);
+    CHECK_EQ_INT(moe_ll_to_e4m3(-0.0f), 0x80);
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.0f), 0x38);
+    CHECK_EQ_INT(moe_ll_to_e4m3(-1.5f), 0xbc);
+    CHECK_EQ_INT(moe_ll_to_e4m3(240.0f), 0x77);
+    CHECK_EQ_INT(moe_ll_to_e4m3(256.0f), 0x78);
+    CHECK_EQ_INT(moe_ll_to_e4m3(448.0f), 0x7e);
+    CHECK_EQ_INT(moe_ll_to_e4m3(464.0f), 0x7e);
+    CHECK_EQ_INT(moe_ll_to_e4m3(1e9f), 0x7e);
+    CHECK_EQ_INT(moe_ll_to_e4m3(-1e9f), 0xfe);
+    CHECK_EQ_INT(moe_ll_to_e4m3(NAN), 0x7f);
+    /* Subnormals: 1/512 is code 1; 1/1024 ties 0 and 1 (to 0), 3/1024 ties 1 and 2 (to 2). */
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.0f / 512), 0x01);
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.0f / 1024), 0x00);
+    CHECK_EQ_INT(moe_ll_to_e4m3(3.0f / 1024), 0x02);
+    CHECK_EQ_INT(moe_ll_to_e4m3(7.0f / 512), 0x07);
+    CHECK_EQ_INT(moe_ll_to_e4m3(8.0f / 512), 0x08);
+    /* Ties in the normal range go to the even code; just past a tie, to the nearer. */
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.0625f), 0x38);
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.1875f), 0x3a);
+    CHECK_EQ_INT(moe_ll_to_e4m3(1.0626f), 0x39);
+    CHECK_EQ_INT(moe_ll_to_e4m3(-1.1874f), 0xb9);
+}
 
 static void check_tiny_inputs(const moe_case_t *c)
 {
@@ -270,6 +301,7 @@ int main(void)
 {
     moe_case_t c = tiny_case();
     check_bf16();
+    check_e4m3();
     check_tiny_inputs(&c);
 
     static const int32_t per_expert0[2] = {1, 4}, per_expert1[2] = {4, 3};
