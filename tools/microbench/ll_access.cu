@@ -56,6 +56,15 @@ __device__ __forceinline__ void block_tokens(int *t0, int *t1)
     *t1 = min(kTokens, *t0 + per);
 }
 
+/* The gathers add the rows' 16-byte pieces as four integers. */
+__device__ __forceinline__ void add_int4(int4 &sum, const int4 &v)
+{
+    sum.x += v.x;
+    sum.y += v.y;
+    sum.z += v.z;
+    sum.w += v.w;
+}
+
 template <int kUnits>
 __global__ void __launch_bounds__(kThreads) gather(const char *const *rows, char *out)
 {
@@ -84,12 +93,8 @@ __global__ void __launch_bounds__(kThreads) gather(const char *const *rows, char
             const int t = t0 + u / pieces, piece = u % pieces;
             int4 sum = make_int4(0, 0, 0, 0);
 #pragma unroll
-            for (int j = 0; j < kTopk; j++) {
-                sum.x += v[d][j].x;
-                sum.y += v[d][j].y;
-                sum.z += v[d][j].z;
-                sum.w += v[d][j].w;
-            }
+            for (int j = 0; j < kTopk; j++)
+                add_int4(sum, v[d][j]);
             reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
         }
     }
@@ -166,13 +171,8 @@ __global__ void __launch_bounds__(kThreads) gather_async(const char *const *rows
         const char *slot = slots + (size_t)(i % kAsyncSlots) * kTopk * 512;
         int4 sum = make_int4(0, 0, 0, 0);
 #pragma unroll
-        for (int j = 0; j < kTopk; j++) {
-            const int4 v = *reinterpret_cast<const int4 *>(slot + j * 512 + lane * 16);
-            sum.x += v.x;
-            sum.y += v.y;
-            sum.z += v.z;
-            sum.w += v.w;
-        }
+        for (int j = 0; j < kTopk; j++)
+            add_int4(sum, *reinterpret_cast<const int4 *>(slot + j * 512 + lane * 16));
         reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
         /* Into the slot unit i - 1 used (added one step ago). */
         issue(i + kAsyncSlots - 1);
@@ -285,15 +285,18 @@ int main(int argc, char **argv)
         "gather through shared memory, own memory     ", "gather through shared memory, peers' memory  "};
     CHECK_CUDA(cudaFuncSetAttribute(gather_async, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     (int)kAsyncRingBytes));
-    for (int pattern = 0; pattern < 8; pattern++) {
+    /* Patterns in pairs (own memory, then peers'), one pair per kind. */
+    enum { kGather1, kGather2, kScatter, kGatherAsync, kKinds };
+    for (int pattern = 0; pattern < 2 * kKinds; pattern++) {
+        const int kind = pattern / 2;
         const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
         CHECK_CUDA(cudaMemcpy(rows_dev, rows.data(), sizeof(char *) * rows.size(), cudaMemcpyHostToDevice));
         auto launch = [&]() {
-            if (pattern < 2)
+            if (kind == kGather1)
                 gather<1><<<kBlocks, kThreads>>>(rows_dev, out);
-            else if (pattern < 4)
+            else if (kind == kGather2)
                 gather<2><<<kBlocks, kThreads>>>(rows_dev, out);
-            else if (pattern < 6)
+            else if (kind == kScatter)
                 scatter<<<kBlocks, kThreads>>>(x, rows_dev);
             else
                 gather_async<<<kBlocks, kThreads, kAsyncRingBytes>>>(rows_dev, out);
@@ -316,8 +319,7 @@ int main(int argc, char **argv)
         ms /= kLaunches;
         /* Bytes through memory per launch: rows read + outputs written, or source read +
          * rows written. */
-        const double bytes = pattern < 4 || pattern >= 6 ? (double)kTokens * (kTopk + 1) * kRowBytes
-                                                         : (double)kTokens * (kTopk + 1) * kFp8RowBytes;
+        const double bytes = (double)kTokens * (kTopk + 1) * (kind == kScatter ? kFp8RowBytes : kRowBytes);
         printf("%d  rank %d  %s  %7.1f us  %6.0f GB/s  (x %d processes: %6.0f GB/s)\n", pattern + 1,
                rank, names[pattern], ms * 1e3, bytes / ms / 1e6, ranks, ranks * bytes / ms / 1e6);
         fflush(stdout);
