@@ -53,6 +53,11 @@ static const int64_t tiny_topk[2][6] = {{1, 3, 2, 1, 3, 2}, {2, 1, 3, 0, 2, 1}};
 /* The low-latency oracle's fp8 e4m3 ("fn": bias 7, largest 448, 0x7f NaN), worked out by
  * hand: code = exponent << 3 | mantissa, value (1 + m / 8) * 2^(e - 7), or m / 512 when
  * e = 0; the nearest code, ties to the even code, beyond 448 the code of 448. */
+static double e4m3_by_hand(int c)
+{
+    return (c >> 3) == 0 ? (c & 7) / 512.0 : (1.0 + (c & 7) / 8.0) * pow(2.0, (c >> 3) - 7);
+}
+
 static void check_e4m3(void)
 {
     CHECK_EQ_INT(moe_ll_to_e4m3(0.0f), 0x00);
@@ -77,6 +82,31 @@ static void check_e4m3(void)
     CHECK_EQ_INT(moe_ll_to_e4m3(1.1875f), 0x3a);
     CHECK_EQ_INT(moe_ll_to_e4m3(1.0626f), 0x39);
     CHECK_EQ_INT(moe_ll_to_e4m3(-1.1874f), 0xb9);
+
+    /* Random magnitudes from a seed, 2^-12 .. 2^10: the code is the nearest one (ties to
+     * the even code), or 448's above it; the sign is the input's. */
+    uint64_t state = 12345;
+    for (int i = 0; i < 200000; i++) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        const double a = ldexp(1.0 + (double)(state >> 11) / 9007199254740992.0,
+                               (int)((state >> 3) % 22) - 12);
+        const float value = (state & 1) ? -(float)a : (float)a;
+        const uint8_t code = moe_ll_to_e4m3(value);
+        CHECK_EQ_INT(code & 0x80, value < 0 ? 0x80 : 0);
+        const int c = code & 0x7f;
+        CHECK(c <= 126);
+        const double mine = fabs((double)value), at = e4m3_by_hand(c);
+        if (mine >= 448.0) {
+            CHECK_EQ_INT(c, 126);
+            continue;
+        }
+        const double here = fabs(mine - at);
+        const double lower = c > 0 ? fabs(mine - e4m3_by_hand(c - 1)) : INFINITY;
+        const double upper = c < 126 ? fabs(mine - e4m3_by_hand(c + 1)) : INFINITY;
+        if (!(here < lower || (here == lower && (c & 1) == 0)) ||
+            !(here < upper || (here == upper && (c & 1) == 0)))
+            TEST_FAIL("e4m3 of %.9g is code %d (%.9g), not the nearest", (double)value, c, at);
+    }
 }
 
 static void check_tiny_inputs(const moe_case_t *c)
