@@ -7,17 +7,20 @@
  * Each process owns a region laid out like a rank's low-latency rows (32 experts x 1024
  * rows of 14,336 bytes) and maps every other process's through CUDA IPC. Its 128 tokens
  * each pick 8 distinct experts of the 32 x RANKS (a seeded draw). Patterns, each timed
- * over 300 launches of 16 blocks of 512 threads, reading or writing either the process's
- * own region or the experts' owners' (the same offsets):
+ * over 300 launches of ACCESS_BLOCKS blocks (default 16), reading or writing either the
+ * process's own region or the experts' owners' (the same offsets):
  *   gather:  the combine's receive: a warp takes a (token, 512-byte piece) unit, loads
  *            the piece of the token's 8 rows (16 bytes a lane each) and stores their
- *            integer sum; "1 unit" keeps 8 loads a lane in flight, "2 units" 16;
+ *            integer sum; "1 unit" keeps 8 loads a lane in flight, "2 units" 16 (512
+ *            threads a block);
  *   scatter: the dispatch's send: a warp loads 512 bytes of a 7,168-byte source row and
  *            stores them to the token's 8 rows; 4 such loads a lane in flight;
- *   gather through shared memory: the gather's units, but each lane's 8 loads are
- *            asynchronous copies (`cp.async`, 16 bytes) into a ring of 3 slots per warp
- *            (192 KiB a block), the warp adding unit i while units i + 1 and i + 2 are in
- *            flight: as many bytes in flight as "2 units", none held in registers.
+ *   gather through a ring: the gather's units, but each lane's 8 loads are asynchronous
+ *            copies (`cp.async`, 16 bytes) into a ring of S slots per warp in shared
+ *            memory (192 KiB a block), the warp adding unit i while units i + 1 ..
+ *            i + S - 1 are in flight, none held in registers: S = 3 with 16 warps a block
+ *            (as many units in flight as "2 units": 32 a block), 6 with 8 warps (40), 12
+ *            with 4 (44).
  *
  *   epx_ll_access RANK RANKS DIR   (DIR: a directory the processes share, for the IPC
  *                                   handles and the barriers between patterns)
@@ -36,7 +39,7 @@
 namespace {
 
 constexpr int kRowBytes = 14336, kFp8RowBytes = 7168, kTopk = 8, kTokens = 128;
-constexpr int kLocalExperts = 32, kRowsPerExpert = 1024, kBlocks = 16, kThreads = 512;
+constexpr int kLocalExperts = 32, kRowsPerExpert = 1024, kThreads = 512;
 constexpr int kLaunches = 300;
 
 #define CHECK_CUDA(call)                                                                   \
@@ -129,9 +132,6 @@ __global__ void __launch_bounds__(kThreads) scatter(const char *x, char *const *
     }
 }
 
-constexpr int kAsyncSlots = 3;
-constexpr size_t kAsyncRingBytes = (size_t)(kThreads / 32) * kAsyncSlots * kTopk * 512;
-
 __device__ __forceinline__ void cp_async16(void *smem, const void *global)
 {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
@@ -139,23 +139,32 @@ __device__ __forceinline__ void cp_async16(void *smem, const void *global)
                  : "memory");
 }
 
-/* The gather's units through a ring of kAsyncSlots slots per warp (8 pieces of 512 B). */
-__global__ void __launch_bounds__(kThreads) gather_async(const char *const *rows, char *out)
+/* Shared memory of a gather_async block: kWarps rings of kSlots units (8 pieces of 512 B). */
+template <int kSlots, int kWarps>
+constexpr size_t async_ring_bytes()
+{
+    return (size_t)kWarps * kSlots * kTopk * 512;
+}
+
+/* The gather's units through a ring of kSlots slots per warp (8 pieces of 512 B): the warp
+ * adds unit i while units i + 1 .. i + kSlots - 1 are in flight. */
+template <int kSlots, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) gather_async(const char *const *rows, char *out)
 {
     extern __shared__ __align__(128) char ring[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = kWarps;
     const int pieces = kRowBytes / 512;
     int t0, t1;
     block_tokens(&t0, &t1);
     const int units = (t1 - t0) * pieces;
-    char *slots = ring + (size_t)warp * kAsyncSlots * kTopk * 512;
-    /* The warp's i-th unit into slot i % kAsyncSlots; one commit group each, empty past
-     * the end, so that "all but the newest kAsyncSlots - 2 groups done" is unit i. */
+    char *slots = ring + (size_t)warp * kSlots * kTopk * 512;
+    /* The warp's i-th unit into slot i % kSlots; one commit group each, empty past the
+     * end, so that "all but the newest kSlots - 2 groups done" is unit i. */
     auto issue = [&](int i) {
         const int u = warp + i * warps;
         if (u < units) {
             const int t = t0 + u / pieces, piece = u % pieces;
-            char *slot = slots + (size_t)(i % kAsyncSlots) * kTopk * 512;
+            char *slot = slots + (size_t)(i % kSlots) * kTopk * 512;
 #pragma unroll
             for (int j = 0; j < kTopk; j++)
                 cp_async16(slot + j * 512 + lane * 16, rows[t * kTopk + j] + piece * 512 + lane * 16);
@@ -163,21 +172,36 @@ __global__ void __launch_bounds__(kThreads) gather_async(const char *const *rows
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     const int mine = warp < units ? (units - warp + warps - 1) / warps : 0;
-    for (int i = 0; i < kAsyncSlots - 1; i++)
+    for (int i = 0; i < kSlots - 1; i++)
         issue(i);
     for (int i = 0; i < mine; i++) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(kAsyncSlots - 2) : "memory");
+        asm volatile("cp.async.wait_group %0;" ::"n"(kSlots - 2) : "memory");
         const int u = warp + i * warps, t = t0 + u / pieces, piece = u % pieces;
-        const char *slot = slots + (size_t)(i % kAsyncSlots) * kTopk * 512;
+        const char *slot = slots + (size_t)(i % kSlots) * kTopk * 512;
         int4 sum = make_int4(0, 0, 0, 0);
 #pragma unroll
         for (int j = 0; j < kTopk; j++)
             add_int4(sum, *reinterpret_cast<const int4 *>(slot + j * 512 + lane * 16));
         reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
         /* Into the slot unit i - 1 used (added one step ago). */
-        issue(i + kAsyncSlots - 1);
+        issue(i + kSlots - 1);
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+/* Launches a gather_async<kSlots, kWarps> over `blocks` blocks (its shared memory allowed
+ * on the first call). */
+template <int kSlots, int kWarps>
+void launch_gather_async(int blocks, const char *const *rows, char *out)
+{
+    constexpr size_t bytes = async_ring_bytes<kSlots, kWarps>();
+    static bool allowed = false;
+    if (!allowed) {
+        CHECK_CUDA(cudaFuncSetAttribute(gather_async<kSlots, kWarps>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+        allowed = true;
+    }
+    gather_async<kSlots, kWarps><<<blocks, kWarps * 32, bytes>>>(rows, out);
 }
 
 /* Every process reaches `name` before any goes on (files in the shared directory). */
@@ -256,6 +280,9 @@ int main(int argc, char **argv)
     CHECK_CUDA(cudaMemset(x, 3, (size_t)kTokens * kFp8RowBytes));
     CHECK_CUDA(cudaMalloc(&rows_dev, sizeof(char *) * kTokens * kTopk));
     const std::vector<char *> base = map_regions(mine, rank, ranks, dir);
+    /* Blocks per launch: ACCESS_BLOCKS (default 16, the low-latency kernels' SM budget). */
+    const char *blocks_env = getenv("ACCESS_BLOCKS");
+    const int blocks = blocks_env != NULL && atoi(blocks_env) > 0 ? atoi(blocks_env) : 16;
 
     /* Token t's row for expert e: at row (rank * kTokens + t) of e's rows at its owner. */
     std::mt19937 draw(100 + rank);
@@ -282,24 +309,28 @@ int main(int argc, char **argv)
         "gather, 1 unit (8 loads a lane), own memory  ", "gather, 1 unit (8 loads a lane), peers' memory",
         "gather, 2 units (16 loads a lane), own memory", "gather, 2 units (16 loads a lane), peers' memory",
         "scatter to 8 rows, own memory                ", "scatter to 8 rows, peers' memory             ",
-        "gather through shared memory, own memory     ", "gather through shared memory, peers' memory  "};
-    CHECK_CUDA(cudaFuncSetAttribute(gather_async, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kAsyncRingBytes));
+        "gather, ring of 3 a warp x 16, own memory    ", "gather, ring of 3 a warp x 16, peers' memory ",
+        "gather, ring of 6 a warp x 8, own memory     ", "gather, ring of 6 a warp x 8, peers' memory  ",
+        "gather, ring of 12 a warp x 4, own memory    ", "gather, ring of 12 a warp x 4, peers' memory "};
     /* Patterns in pairs (own memory, then peers'), one pair per kind. */
-    enum { kGather1, kGather2, kScatter, kGatherAsync, kKinds };
+    enum { kGather1, kGather2, kScatter, kGatherAsync, kGatherAsync6, kGatherAsync12, kKinds };
     for (int pattern = 0; pattern < 2 * kKinds; pattern++) {
         const int kind = pattern / 2;
         const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
         CHECK_CUDA(cudaMemcpy(rows_dev, rows.data(), sizeof(char *) * rows.size(), cudaMemcpyHostToDevice));
         auto launch = [&]() {
             if (kind == kGather1)
-                gather<1><<<kBlocks, kThreads>>>(rows_dev, out);
+                gather<1><<<blocks, kThreads>>>(rows_dev, out);
             else if (kind == kGather2)
-                gather<2><<<kBlocks, kThreads>>>(rows_dev, out);
+                gather<2><<<blocks, kThreads>>>(rows_dev, out);
             else if (kind == kScatter)
-                scatter<<<kBlocks, kThreads>>>(x, rows_dev);
+                scatter<<<blocks, kThreads>>>(x, rows_dev);
+            else if (kind == kGatherAsync)
+                launch_gather_async<3, 16>(blocks, rows_dev, out);
+            else if (kind == kGatherAsync6)
+                launch_gather_async<6, 8>(blocks, rows_dev, out);
             else
-                gather_async<<<kBlocks, kThreads, kAsyncRingBytes>>>(rows_dev, out);
+                launch_gather_async<12, 4>(blocks, rows_dev, out);
         };
         for (int i = 0; i < 5; i++)
             launch();

@@ -58,8 +58,35 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
         epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);
 }
 
-template <int kUnroll, int kGroup>
-__global__ void __launch_bounds__(EPX_CUDA_THREADS)
+/*
+ * One token's output row from its n source rows (in rank order, one add each: the
+ * reference's summation order): kGroup rows x kUnroll vectors of loads in flight a lane.
+ * With kBiases the sums start from the caller's bias rows (DeepEP's bias_0 + bias_1),
+ * else from zero.
+ */
+template <int kUnroll, int kGroup, bool kBiases>
+__device__ __forceinline__ void combine_row(const epx__cuda_combine_args_t &a,
+                                            const char *const *src, int n, int64_t t, char *out,
+                                            int units, int lane)
+{
+    for (int i0 = 0; i0 < units; i0 += 32 * kUnroll) {
+        float acc[kUnroll][8];
+        if (kBiases) {
+            epx_start_sums<kUnroll>(acc, a, t, 0, i0, units, lane);
+        } else {
+#pragma unroll
+            for (int u = 0; u < kUnroll; u++)
+#pragma unroll
+                for (int e = 0; e < 8; e++)
+                    acc[u][e] = 0.0f;
+        }
+        epx_add_rows<kUnroll, kGroup>(acc, src, n, i0, units, lane, 0);
+        epx_store_sums<kUnroll>(out, a.out_align, acc, i0, units, lane);
+    }
+}
+
+template <int kUnroll, int kGroup, bool kBiases>
+__global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     epx_combine_kernel(epx__cuda_shape_t s, epx__cuda_combine_args_t a)
 {
     __shared__ const char *x_base[EPX_CUDA_MAX_RANKS];
@@ -112,14 +139,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
         __syncwarp();
 
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride;
-        for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
-            /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
-            float acc[kUnroll][8];
-            epx_start_sums<kUnroll>(acc, a, t, 0, i0, units, lane);
-            /* Sources in rank order, one add each: the reference's summation order. */
-            epx_add_rows<kUnroll, kGroup>(acc, src_row[warp], n, i0, units, lane, 0);
-            epx_store_sums<kUnroll>(out, a.out_align, acc, i0, units, lane);
-        }
+        combine_row<kUnroll, kGroup, kBiases>(a, src_row[warp], n, t, out, (int)units, lane);
 
         if (a.has_weights) {
             for (int k = lane; k < K; k += 32) {
@@ -151,9 +171,18 @@ extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
         if (err != cudaSuccess || launched)
             return err;
     }
-    /* Up to 8 source rows' loads in flight a lane (2 vectors each, 127 registers, no
-     * spills): 13% faster than 4 rows at 8 blocks a rank and 1% at 16 (H200, standard
-     * case, docs/PERFORMANCE.md, 2026-12-04). */
-    epx_combine_kernel<2, 8><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
+    /* Loads in flight a lane (H200, 8 ranks, standard case, docs/PERFORMANCE.md,
+     * 2026-12-04): 8 source rows x 2 vectors at 16 blocks a rank; at 8 blocks or fewer,
+     * 6 rows x 3 vectors (a token has 5.25 source ranks on average there, so more of its
+     * row in flight at once: 10% faster at 8 blocks, 1-3% slower at 16). The bias-free
+     * forms skip the bias loads and their registers (2-6% faster than the bias-capable
+     * one). Each uses at most 128 registers with no spills. */
+    const dim3 grid(args->num_blocks), block(EPX_CUDA_THREADS);
+    if (args->bias[0] != NULL || args->bias[1] != NULL)
+        epx_combine_kernel<2, 8, true><<<grid, block, 0, stream>>>(*shape, *args);
+    else if (args->num_blocks <= 8)
+        epx_combine_kernel<3, 6, false><<<grid, block, 0, stream>>>(*shape, *args);
+    else
+        epx_combine_kernel<2, 8, false><<<grid, block, 0, stream>>>(*shape, *args);
     return cudaGetLastError();
 }
