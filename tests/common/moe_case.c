@@ -97,6 +97,12 @@ uint16_t moe_float_to_bf16(float value)
     return (uint16_t)(word >> 16);
 }
 
+size_t moe_registered_size(size_t bytes)
+{
+    const size_t two_mib = (size_t)2 << 20;
+    return (bytes + two_mib - 1) / two_mib * two_mib;
+}
+
 /* ---------------------------------------------------------------- inputs, per token */
 
 static int64_t tokens_of_rank(const moe_case_t *c, int rank)

@@ -7,6 +7,7 @@
 #ifndef EPX_MOE_CASE_H
 #define EPX_MOE_CASE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "epx.h"
@@ -88,6 +89,14 @@ int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x);
 int64_t moe_routing_make(const moe_case_t *c, int rank, int64_t *topk_idx);
 /* Tokens rank `rank` passes (0 for the case's empty rank). */
 int64_t moe_tokens_of_rank(const moe_case_t *c, int rank);
+
+/*
+ * The size of an allocation meant for epx_buffer_register: `bytes` rounded up to a
+ * multiple of 2 MiB, as PyTorch's caching allocator rounds large blocks (peers read a
+ * registered allocation of any other size up to 1.7x slower on an H200:
+ * docs/PERFORMANCE.md).
+ */
+size_t moe_registered_size(size_t bytes);
 
 /* bf16 <-> fp32 (round to nearest even). */
 float moe_bf16_to_float(uint16_t bits);

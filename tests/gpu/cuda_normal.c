@@ -278,11 +278,9 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
     uint16_t *combine_rows = calloc((size_t)(n * H) + 1, 2);
     void *combine_x = NULL, *registered_x = NULL;
     CUDA_OK(cudaMalloc(&combine_x, (size_t)(n * H) * 2 + 16));
-    /* A second separate x, registered: the peers read it in place (epx_buffer_register).
-     * Its allocation is a multiple of 2 MiB, as PyTorch's caching allocator makes them (of
-     * other sizes the peers read up to 1.7x slower: docs/PERFORMANCE.md). */
-    const size_t two_mib = (size_t)2 << 20;
-    const size_t registered_bytes = ((size_t)(n * H) * 2 + 16 + two_mib - 1) / two_mib * two_mib;
+    /* A second separate x, registered: the peers read it in place (epx_buffer_register),
+     * in an allocation of a multiple of 2 MiB (moe_registered_size). */
+    const size_t registered_bytes = moe_registered_size((size_t)(n * H) * 2 + 16);
     CUDA_OK(cudaMalloc(&registered_x, registered_bytes));
     EPX_OK(epx_buffer_register(buffer, registered_x, registered_bytes));
     CUDA_OK(cudaStreamSynchronize(stream));

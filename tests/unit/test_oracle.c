@@ -327,10 +327,21 @@ static void check_properties(void)
     CHECK(total_recv > 0);
 }
 
+/* Registered allocations are whole 2 MiB blocks, as PyTorch's caching allocator makes them. */
+static void check_registered_size(void)
+{
+    const size_t two_mib = (size_t)2 << 20;
+    CHECK(moe_registered_size(1) == two_mib);
+    CHECK(moe_registered_size(two_mib) == two_mib);
+    CHECK(moe_registered_size(two_mib + 1) == 2 * two_mib);
+    CHECK(moe_registered_size((size_t)4097 * 14336 + 16) == 29 * two_mib);
+}
+
 int main(void)
 {
     moe_case_t c = tiny_case();
     check_bf16();
+    check_registered_size();
     check_e4m3();
     check_tiny_inputs(&c);
 

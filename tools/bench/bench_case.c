@@ -190,15 +190,13 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
     }
     bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
     /* One spare row: a rank that receives nothing still registers a range (never empty);
-     * --register-mb: a larger allocation. Rounded up to 2 MiB, as PyTorch's caching
-     * allocator rounds large blocks: an allocation of any other size is read by the peers
-     * up to 1.7x slower on an H200 (docs/PERFORMANCE.md), which --register-exact shows. */
+     * --register-mb: a larger allocation. Rounded up to 2 MiB (moe_registered_size)
+     * unless --register-exact, which shows what other sizes cost. */
     size_t registered_bytes = (size_t)(bc->num_recv + 1) * row_bytes;
     if (registered_bytes < ((size_t)bc->options->register_mb << 20))
         registered_bytes = (size_t)bc->options->register_mb << 20;
     if (!bc->options->register_exact)
-        registered_bytes = (registered_bytes + ((size_t)2 << 20) - 1) / ((size_t)2 << 20) *
-                           ((size_t)2 << 20);
+        registered_bytes = moe_registered_size(registered_bytes);
     bc->registered_x = alloc_copy(bc, NULL, registered_bytes);
     epx__bench_must(bc->rank,
                     epx__bench_copy_in(bc->device, bc->registered_x, rows,
