@@ -110,8 +110,7 @@ static void send_report(int fd, epx_status_t status, const char *detail, int64_t
     size_t length = strnlen(detail, MAX_REPORT_BYTES);
     frame_t frame = {.magic = FRAME_MAGIC, .status = (int32_t)status, .bytes = length};
     int ignored = 0;
-    if (epx__send_all(fd, &frame, sizeof(frame), deadline_ns, &ignored) == EPX__IO_OK)
-        (void)epx__send_all(fd, detail, length, deadline_ns, &ignored);
+    (void)epx__send_two(fd, &frame, sizeof(frame), detail, length, deadline_ns, &ignored);
     shutdown(fd, SHUT_WR);
 }
 
@@ -338,10 +337,8 @@ static epx_status_t root_allgather(epx__bootstrap_t *bootstrap, const void *send
     frame_t frame = {.magic = FRAME_MAGIC, .status = 0, .bytes = total};
     for (int r = 1; r < world_size; r++) {
         int error_code = 0;
-        epx__io_result_t result =
-            epx__send_all(tcp->peer_fds[r], &frame, sizeof(frame), deadline, &error_code);
-        if (result == EPX__IO_OK)
-            result = epx__send_all(tcp->peer_fds[r], recv, total, deadline, &error_code);
+        epx__io_result_t result = epx__send_two(tcp->peer_fds[r], &frame, sizeof(frame), recv,
+                                                total, deadline, &error_code);
         if (result == EPX__IO_OK)
             continue;
         if (result == EPX__IO_TIMEOUT) {
@@ -481,10 +478,8 @@ static epx_status_t member_allgather(epx__bootstrap_t *bootstrap, const void *se
     int64_t deadline = epx__deadline_after_ms(waited_ms);
     frame_t frame = {.magic = FRAME_MAGIC, .status = 0, .bytes = bytes};
     int error_code = 0;
-    epx__io_result_t result = epx__send_all(tcp->root_fd, &frame, sizeof(frame), deadline,
-                                            &error_code);
-    if (result == EPX__IO_OK)
-        result = epx__send_all(tcp->root_fd, send, bytes, deadline, &error_code);
+    epx__io_result_t result = epx__send_two(tcp->root_fd, &frame, sizeof(frame), send, bytes,
+                                            deadline, &error_code);
     if (result != EPX__IO_OK)
         return root_send_error(tcp, result, error_code, stage);
     int was_report = 0;

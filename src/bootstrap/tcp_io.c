@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -54,15 +55,29 @@ static int is_closed_error(int code)
     return code == EPIPE || code == ECONNRESET || code == ENOTCONN || code == ECONNABORTED;
 }
 
-epx__io_result_t epx__send_all(int fd, const void *data, size_t length, int64_t deadline_ns,
-                               int *error_code)
+epx__io_result_t epx__send_two(int fd, const void *head, size_t head_length, const void *body,
+                               size_t body_length, int64_t deadline_ns, int *error_code)
 {
-    const char *next = data;
-    while (length > 0) {
-        ssize_t sent = send(fd, next, length, MSG_NOSIGNAL | MSG_DONTWAIT);
+    struct iovec parts[2] = {{(void *)head, head_length}, {(void *)body, body_length}};
+    int first = 0;
+    for (;;) {
+        while (first < 2 && parts[first].iov_len == 0)
+            first++;
+        if (first == 2)
+            return EPX__IO_OK;
+        struct msghdr message;
+        memset(&message, 0, sizeof(message));
+        message.msg_iov = parts + first;
+        message.msg_iovlen = (size_t)(2 - first);
+        ssize_t sent = sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (sent > 0) {
-            next += sent;
-            length -= (size_t)sent;
+            size_t left = (size_t)sent;
+            for (; first < 2 && left >= parts[first].iov_len; first++)
+                left -= parts[first].iov_len;
+            if (first < 2) {
+                parts[first].iov_base = (char *)parts[first].iov_base + left;
+                parts[first].iov_len -= left;
+            }
             continue;
         }
         if (sent < 0 && errno == EINTR)
@@ -76,7 +91,12 @@ epx__io_result_t epx__send_all(int fd, const void *data, size_t length, int64_t 
         *error_code = sent < 0 ? errno : EPIPE;
         return is_closed_error(*error_code) ? EPX__IO_CLOSED : EPX__IO_ERROR;
     }
-    return EPX__IO_OK;
+}
+
+epx__io_result_t epx__send_all(int fd, const void *data, size_t length, int64_t deadline_ns,
+                               int *error_code)
+{
+    return epx__send_two(fd, data, length, NULL, 0, deadline_ns, error_code);
 }
 
 epx__io_result_t epx__recv_some(int fd, void *data, size_t length, size_t *received,

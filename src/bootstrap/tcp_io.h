@@ -34,6 +34,11 @@ epx__io_result_t epx__send_all(int fd, const void *data, size_t length, int64_t 
                                int *error_code);
 epx__io_result_t epx__recv_all(int fd, void *data, size_t length, int64_t deadline_ns,
                                int *error_code);
+/* Send a header and a body as one message (sendmsg of the two): a small frame leaves as
+ * one segment and wakes its reader once. On loopback each send also runs the reader's
+ * side of the delivery, so one send a frame instead of two halves a broadcast's time. */
+epx__io_result_t epx__send_two(int fd, const void *head, size_t head_length, const void *body,
+                               size_t body_length, int64_t deadline_ns, int *error_code);
 /* One recv() of at most `length` bytes on a socket poll() said is readable: bytes read
  * in *received (0 with EPX__IO_CLOSED when the peer closed). */
 epx__io_result_t epx__recv_some(int fd, void *data, size_t length, size_t *received,

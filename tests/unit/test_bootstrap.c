@@ -6,10 +6,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "fork_ranks.h"
 #include "api.h"
+#include "bootstrap/tcp_io.h"
 #include "test_util.h"
 
 #define LONG_TIMEOUT_MS 8000
@@ -364,6 +367,50 @@ static void test_unique_id_text(void)
     CHECK_OK(epx_get_unique_id(&back));
 }
 
+/*
+ * A frame's header and body leave in one sendmsg where the socket takes them: a body
+ * larger than the socket's buffer goes out in parts (the send waits for room), empty
+ * parts are skipped, and a reader that went away is EPX__IO_CLOSED, not a SIGPIPE.
+ */
+static void test_send_two(void)
+{
+    int fds[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, fds) == 0);
+    static const char head[12] = "frame head!";
+    const size_t body_length = (size_t)4 << 20, total = sizeof(head) + body_length + 3;
+    unsigned char *body = malloc(body_length);
+    CHECK(body != NULL);
+    for (size_t i = 0; i < body_length; i++)
+        body[i] = (unsigned char)(i * 7 + 1);
+    pid_t reader = fork();
+    CHECK(reader >= 0);
+    if (reader == 0) {
+        close(fds[0]);
+        unsigned char *got = malloc(total);
+        int error_code = 0;
+        int ok = got != NULL && epx__recv_all(fds[1], got, total, epx__deadline_after_ms(10000),
+                                              &error_code) == EPX__IO_OK;
+        ok = ok && memcmp(got, head, sizeof(head)) == 0 &&
+             memcmp(got + sizeof(head), body, body_length) == 0 &&
+             memcmp(got + sizeof(head) + body_length, "abc", 3) == 0;
+        _exit(ok ? 0 : 1);
+    }
+    close(fds[1]);
+    int error_code = 0;
+    const int64_t deadline = epx__deadline_after_ms(10000);
+    CHECK(epx__send_two(fds[0], head, sizeof(head), body, body_length, deadline, &error_code) ==
+          EPX__IO_OK);
+    CHECK(epx__send_two(fds[0], NULL, 0, NULL, 0, deadline, &error_code) == EPX__IO_OK);
+    CHECK(epx__send_two(fds[0], "ab", 2, "c", 1, deadline, &error_code) == EPX__IO_OK);
+    int status = 0;
+    CHECK(waitpid(reader, &status, 0) == reader);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(epx__send_two(fds[0], head, sizeof(head), body, 1, deadline, &error_code) ==
+          EPX__IO_CLOSED);
+    close(fds[0]);
+    free(body);
+}
+
 int main(void)
 {
     alarm(100); /* the children have their own guards; this one covers the parent */
@@ -371,6 +418,7 @@ int main(void)
         const char *name;
         void (*run)(void);
     } tests[] = {
+        {"send_two", test_send_two},
         {"unique_id_text", test_unique_id_text},
         {"groups_of_several_sizes", test_groups_of_several_sizes},
         {"rank_that_never_joins", test_rank_that_never_joins},
