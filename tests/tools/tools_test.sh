@@ -244,38 +244,38 @@ bench_check)
     expect_count '^# floor: the bytes all ranks must read and write' out 1
     expect_count '^# floor/time = floor_us / the slowest' out 1
     expect_count 'SMs' out 0
-    expect_count ' PASS$' out 12
+    expect_count ' PASS$' out 14
     expect_count 'FAIL' out 0
-    for op in layout dispatch cached_dispatch combine combine_copy combine_registered; do
+    for op in layout dispatch cached_dispatch combine combine_copy combine_registered combine_weights; do
         expect_count "^  bf16  $op " out 1
         expect_count "^  fp8   $op " out 1
     done
     # One process without a launcher is a group of one.
     run "$EPX" bench --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check --alignment 4
     expect_rc 0
-    expect_count ' PASS$' out 6
+    expect_count ' PASS$' out 7
     # combine_registered from a larger allocation than its rows: the same results.
     run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
         --register-mb 2
     expect_rc 0
-    expect_count ' PASS$' out 6
+    expect_count ' PASS$' out 7
     expect_count '^  bf16  combine_registered ' out 1
     # ... and from an allocation of exactly its rows (the GPU's slower case; here the same).
     run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
         --register-exact
     expect_rc 0
-    expect_count ' PASS$' out 6
+    expect_count ' PASS$' out 7
     ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2
     expect_rc 0
-    expect_count '.' out 12
-    expect_count '^{.*}$' out 12
+    expect_count '.' out 14
+    expect_count '^{.*}$' out 14
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 12, rows
+assert len(rows) == 14, rows
 for row in rows:
     assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
     assert row["check"] == "PASS", row
@@ -300,12 +300,14 @@ for row in rows:
         assert row["floor_bytes"] == (3 * 64 + received) * (x_row + 24), row
     elif row["op"] == "cached_dispatch":
         assert row["floor_bytes"] == (3 * 64 + received) * x_row, row
+    elif row["op"] == "combine_weights":  # ... each with its 2 fp32 weights
+        assert row["floor_bytes"] == (received + 3 * 64) * (512 + 8), row
     else:  # combine: each received row read, each output row written
         assert row["floor_bytes"] == (received + 3 * 64) * 512, row
 assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
     (d, o) for d in ("bf16", "fp8")
     for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy",
-              "combine_registered"))
+              "combine_registered", "combine_weights"))
 PY
     fi
     ;;
@@ -367,7 +369,7 @@ bench_nodes)
     run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 64 --hidden 256 --experts 8 --topk 2 \
         --check --json --iters 2
     expect_rc 0
-    expect_count '"check":"PASS"' out 12
+    expect_count '"check":"PASS"' out 14
     expect_count '"traffic":"expected"' out 4
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "traffic lines do not hold what they should"
@@ -375,7 +377,7 @@ import json, sys
 lines = [json.loads(line) for line in open(sys.argv[1])]
 timed = {(r["dtype"], r["op"]): r for r in lines if "op" in r}
 traffic = {(r["dtype"], r["traffic_op"]): r for r in lines if r.get("traffic") == "expected"}
-assert len(timed) == 12 and len(traffic) == 4, lines
+assert len(timed) == 14 and len(traffic) == 4, lines
 for (dtype, op), t in traffic.items():
     assert t["ranks"] == 4 and t["ranks_per_node"] == 2 and t["nodes"] == 2, t
     assert t["tokens_total"] == 4 * 64, t
@@ -405,7 +407,7 @@ PY
     run "$EPX" bench -n 4 --ranks-per-node 2 --tokens 32 --hidden 256 --experts 8 --topk 2 \
         --check --iters 1
     expect_rc 0
-    expect_count ' PASS$' out 12
+    expect_count ' PASS$' out 14
     expect_count '^# traffic, 2 nodes x 2 ranks:$' out 2
     expect_count '^  bf16  dispatch  *[0-9]* ' out 2
     # One node: nothing crosses the network.

@@ -1,7 +1,7 @@
 /*
  * One `epx bench` case (one dispatch dtype): make the inputs from the seed, run
  * layout, dispatch, cached dispatch and combine both ways once and check them against
- * the oracle, then time the five ops together, iteration after iteration.
+ * the oracle, then time the ops together, iteration after iteration.
  *
  * Combine is timed twice. "combine" takes its x from the buffer's combine-input view
  * (epx_get_combine_input), where a caller computes its expert outputs: the fast path,
@@ -11,7 +11,8 @@
  * x from a separate tensor, which the backend first copies into the buffer;
  * "combine_registered" from another separate tensor, registered with
  * epx_buffer_register once at setup, which the peers read in place (the CPU backend
- * copies it like any other).
+ * copies it like any other); "combine_weights" is "combine" with the received top-k
+ * weights combined as well (out_topk_weights, what DeepEP's training path asks for).
  *
  * Every rank runs the same sequence of collective calls whatever its check found, so a
  * wrong result on one rank is reported, never turned into a hang on the others.
@@ -45,7 +46,9 @@ typedef struct {
     void *in_rank;
     void *combine_x; /* combine_copy's x (combine's is the buffer's combine-input view) */
     void *registered_x; /* combine_registered's x (registered with the buffer) */
+    void *recv_weights; /* combine_weights' top-k weights in: the dispatch's, [rows, k] */
     void *out_x;
+    void *out_weights; /* combine_weights' out_topk_weights, [tokens, k] */
 } bench_case_t;
 
 /* What every rank tells the others after the checked run. */
@@ -114,16 +117,23 @@ static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t o
 {
     epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
     args.handle = handle;
-    if (op == EPX__BENCH_OP_COMBINE)
+    const int64_t k = bc->moe.num_topk;
+    if (op == EPX__BENCH_OP_COMBINE || op == EPX__BENCH_OP_COMBINE_WEIGHTS)
         args.x = combine_view(bc, handle);
     else
         args.x = epx_tensor_2d(op == EPX__BENCH_OP_COMBINE_REGISTERED ? bc->registered_x
                                                                       : bc->combine_x,
                                EPX_DTYPE_BF16, bc->num_recv, bc->moe.hidden);
     args.out_x = epx_tensor_2d(bc->out_x, EPX_DTYPE_BF16, bc->moe.num_tokens, bc->moe.hidden);
+    if (op == EPX__BENCH_OP_COMBINE_WEIGHTS) {
+        args.topk_weights = epx_tensor_2d(bc->recv_weights, EPX_DTYPE_FP32, bc->num_recv, k);
+        args.out_topk_weights =
+            epx_tensor_2d(bc->out_weights, EPX_DTYPE_FP32, bc->moe.num_tokens, k);
+    }
     epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream),
                     op == EPX__BENCH_OP_COMBINE ? "epx_combine (input view)"
                     : op == EPX__BENCH_OP_COMBINE_COPY ? "epx_combine (separate x)"
+                    : op == EPX__BENCH_OP_COMBINE_WEIGHTS ? "epx_combine (top-k weights)"
                                                        : "epx_combine (registered x)");
 }
 
@@ -166,6 +176,7 @@ static void setup(bench_case_t *bc)
     bc->per_expert = alloc_copy(bc, NULL, (size_t)c->num_experts * 4);
     bc->in_rank = alloc_copy(bc, NULL, tokens * (size_t)bc->world_size);
     bc->out_x = alloc_copy(bc, NULL, tokens * (size_t)c->hidden * 2);
+    bc->out_weights = alloc_copy(bc, NULL, (tokens > 0 ? tokens : 1) * topk * 4);
 }
 
 /*
@@ -225,7 +236,7 @@ static void teardown(bench_case_t *bc)
                         "epx_buffer_deregister");
     void *memory[] = {bc->x,        bc->x_scales, bc->topk_idx,  bc->topk_weights,
                       bc->per_rank, bc->per_expert, bc->in_rank, bc->combine_x,
-                      bc->registered_x, bc->out_x};
+                      bc->registered_x, bc->recv_weights, bc->out_x, bc->out_weights};
     for (size_t i = 0; i < sizeof(memory) / sizeof(memory[0]); i++)
         epx__bench_free(bc->device, memory[i]);
     moe_inputs_free(&bc->inputs);
@@ -338,6 +349,31 @@ static int check_combine(bench_case_t *bc, const char *what)
     return ok;
 }
 
+/*
+ * combine_weights' out_topk_weights: each token's weight where its id names an expert, 0
+ * where it is -1 (the received rows carry the weight on the expert's rank and 0 on the
+ * others, so the sums are exact).
+ */
+static int check_combined_weights(bench_case_t *bc)
+{
+    const int64_t tokens = bc->moe.num_tokens, k = bc->moe.num_topk;
+    epx_tensor_t out = epx_tensor_2d(bc->out_weights, EPX_DTYPE_FP32, tokens, k);
+    float *got = copy_out(bc, &out, tokens, k);
+    const moe_inputs_t *in = &bc->inputs;
+    for (int64_t i = 0; i < tokens * k; i++) {
+        const float want = in->topk_idx[i] >= 0 ? in->topk_weights[i] : 0.0f;
+        if (memcmp(&got[i], &want, sizeof(want)) != 0) {
+            fprintf(stderr, "epx bench: %s: combine_weights out_topk_weights[%lld][%lld] is "
+                    "%.9g, expected %.9g\n", bc->label, (long long)(i / k), (long long)(i % k),
+                    got[i], want);
+            free(got);
+            return 0;
+        }
+    }
+    free(got);
+    return 1;
+}
+
 /* The checked run: every op once, in the timed loop's order. */
 static void run_checked(bench_case_t *bc, rank_summary_t *summary)
 {
@@ -368,19 +404,35 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
         summary->check[EPX__BENCH_OP_CACHED_DISPATCH] = EPX__BENCH_CHECK_FAIL;
 
     make_combine_input(bc, check ? &expected : NULL, result.handle);
+    /* combine_weights' input: this dispatch's received top-k weights, in a tensor of
+     * their own (the dispatch's view is rewritten by every dispatch). */
+    const int64_t k = bc->moe.num_topk;
+    float *recv_weights = copy_out(bc, &result.recv_topk_weights, bc->num_recv, k);
+    bc->recv_weights =
+        alloc_copy(bc, recv_weights, (size_t)(bc->num_recv > 0 ? bc->num_recv : 1) * (size_t)k * 4);
+    free(recv_weights);
     /* out_x is cleared before each, so neither check can pass on the other's result. */
     size_t out_bytes = (size_t)bc->moe.num_tokens * (size_t)bc->moe.hidden * 2;
     const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY,
-                                        EPX__BENCH_OP_COMBINE_REGISTERED};
-    for (int i = 0; i < 3; i++) {
+                                        EPX__BENCH_OP_COMBINE_REGISTERED,
+                                        EPX__BENCH_OP_COMBINE_WEIGHTS};
+    for (int i = 0; i < 4; i++) {
         epx__bench_must(bc->rank, epx__bench_fill(bc->device, bc->out_x, 0xff, out_bytes),
                         "bench clearing out_x");
+        epx__bench_must(bc->rank,
+                        epx__bench_fill(bc->device, bc->out_weights, 0xff,
+                                        (size_t)bc->moe.num_tokens * (size_t)k * 4),
+                        "bench clearing out_topk_weights");
         run_combine(bc, result.handle, combines[i]);
         if (check && !check_combine(bc, combines[i] == EPX__BENCH_OP_COMBINE
                                             ? "combine (input view) out_x"
                                         : combines[i] == EPX__BENCH_OP_COMBINE_COPY
                                             ? "combine_copy (separate x) out_x"
+                                        : combines[i] == EPX__BENCH_OP_COMBINE_WEIGHTS
+                                            ? "combine_weights (input view) out_x"
                                             : "combine_registered (registered x) out_x"))
+            summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
+        if (check && combines[i] == EPX__BENCH_OP_COMBINE_WEIGHTS && !check_combined_weights(bc))
             summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
     }
 
@@ -457,6 +509,8 @@ static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 5), "timestamp");
         run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_REGISTERED);
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 6), "timestamp");
+        run_combine(bc, result.handle, EPX__BENCH_OP_COMBINE_WEIGHTS);
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 7), "timestamp");
 
         double durations[EPX__BENCH_OP_COUNT];
         epx__bench_must(bc->rank, epx__bench_elapsed_us(bc->device, EPX__BENCH_OP_COUNT + 1, durations),
@@ -485,6 +539,7 @@ static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
     case EPX__BENCH_OP_COMBINE:
     case EPX__BENCH_OP_COMBINE_COPY:
     case EPX__BENCH_OP_COMBINE_REGISTERED:
+    case EPX__BENCH_OP_COMBINE_WEIGHTS:
         return hidden * 2;
     default:
         return 0; /* layout moves no payload */
@@ -495,7 +550,8 @@ static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
  * The floor's bytes of `op`, all ranks together (epx__bench_dispatch_floor_bytes): a
  * fresh dispatch reads each source token (x, scales, top-k ids and weights) and writes
  * each received row with the same parts; a cached one has no routing to read or write;
- * combine reads each received row and writes each output row (no weights here).
+ * combine reads each received row and writes each output row (combine_weights: each
+ * with its top-k weights).
  */
 static int64_t floor_bytes(const bench_case_t *bc, epx__bench_op_t op, int64_t received)
 {
@@ -512,6 +568,11 @@ static int64_t floor_bytes(const bench_case_t *bc, epx__bench_op_t op, int64_t r
     case EPX__BENCH_OP_COMBINE_COPY:
     case EPX__BENCH_OP_COMBINE_REGISTERED:
         return epx__bench_combine_floor_bytes(tokens, 0, received, row_bytes(bc, op));
+    case EPX__BENCH_OP_COMBINE_WEIGHTS:
+        /* Each received row with its k weights read, each token's row and k weights
+         * written. */
+        return epx__bench_combine_floor_bytes(tokens, 0, received,
+                                              row_bytes(bc, op) + bc->moe.num_topk * 4);
     default:
         return 0; /* layout moves no payload */
     }

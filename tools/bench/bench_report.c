@@ -27,6 +27,8 @@ const char *epx__bench_op_name(epx__bench_op_t op)
         return "combine_copy";
     case EPX__BENCH_OP_COMBINE_REGISTERED:
         return "combine_registered";
+    case EPX__BENCH_OP_COMBINE_WEIGHTS:
+        return "combine_weights";
     default:
         return "unknown";
     }
@@ -178,7 +180,7 @@ void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
         out, context,
         "dispatch: each source token once (x, scales, top-k ids and weights) + each received "
         "row once (the same);\n#   cached dispatch: x and scales only; combine: each received "
-        "row once + each output row once");
+        "row once + each output row once (combine_weights: each with its top-k weights)");
     fprintf(out, "# median and p99: rank 0's times in us; GB/s = rank 0's bytes / its median;\n"
                  "# slowest: median over iterations of the slowest rank\n");
     fprintf(out, "# %-5s %-16s %11s %11s %11s %10s %11s %10s %5s\n", "dtype", "op", "median_us",

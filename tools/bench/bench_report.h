@@ -23,7 +23,9 @@ typedef enum {
     EPX__BENCH_OP_COMBINE_COPY = 4, /* x in a separate tensor (copied into the buffer) */
     EPX__BENCH_OP_COMBINE_REGISTERED = 5, /* x in a separate tensor registered with
                                              epx_buffer_register (read in place) */
-    EPX__BENCH_OP_COUNT = 6,
+    EPX__BENCH_OP_COMBINE_WEIGHTS = 6, /* x in the view, and the received top-k weights
+                                          combined too (DeepEP's training path) */
+    EPX__BENCH_OP_COUNT = 7,
 } epx__bench_op_t;
 
 const char *epx__bench_op_name(epx__bench_op_t op);

@@ -6,12 +6,44 @@
  * Roles: one warp per row (grid-stride), lanes over the row in units of the widest
  * type that the source, the destination, both pitches and the row length are aligned
  * to (16 bytes for every tensor the library allocates), 8 loads in flight per lane.
+ * Rows narrower than a warp's units (top-k ids and weights, fp8 scales: 32-224 bytes)
+ * are spread over the lanes instead, consecutive threads on consecutive units across
+ * rows: one warp a row left most lanes idle and waited a memory latency per row.
  *
  * Rows copied: `rows`, or fewer when only the device knows how many rows are valid
  * (worst-case mode): then min(rows, *rows_device), read by each warp at its start.
  */
 #include "device.cuh"
 #include "launch.h"
+
+/* Rows of fewer than 32 units: thread i of the grid copies units i, i + step, ... of the
+ * rows laid end to end, kUnroll loads in flight. */
+template <typename T, int kUnroll>
+__device__ __forceinline__ void epx_copy_narrow_rows(const epx__cuda_copy_args_t &a, int64_t rows,
+                                                     int64_t units)
+{
+    const int64_t total = rows * units;
+    const int64_t step = (int64_t)gridDim.x * blockDim.x;
+    for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < total;
+         i0 += step * kUnroll) {
+        T v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; u++) {
+            const int64_t i = i0 + u * step;
+            if (i < total)
+                v[u] = __ldcg(reinterpret_cast<const T *>(static_cast<const char *>(a.src) +
+                                                          (i / units) * a.src_pitch) +
+                              i % units);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; u++) {
+            const int64_t i = i0 + u * step;
+            if (i < total)
+                reinterpret_cast<T *>(static_cast<char *>(a.dst) + (i / units) * a.dst_pitch)
+                    [i % units] = v[u];
+        }
+    }
+}
 
 template <typename T, int kUnroll>
 __global__ void __launch_bounds__(EPX_CUDA_THREADS) epx_copy_kernel(epx__cuda_copy_args_t a)
@@ -22,6 +54,10 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS) epx_copy_kernel(epx__cuda_co
         rows = valid < rows ? valid : rows;
     }
     const int64_t units = a.row_bytes / (int64_t)sizeof(T);
+    if (units < 32) {
+        epx_copy_narrow_rows<T, kUnroll>(a, rows, units);
+        return;
+    }
     const int lane = epx_lane();
     const int64_t warps_per_block = blockDim.x >> 5;
     for (int64_t row = blockIdx.x * warps_per_block + epx_warp(); row < rows;
