@@ -205,7 +205,12 @@ typedef struct {
 
 /* Local. `info` must be initialised with EPX_GROUP_INFO_INIT. */
 epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info);
-/* Collective barrier with the group's timeout (outside any buffer operation). */
+/*
+ * Collective barrier with the group's timeout (outside any buffer operation). With the
+ * TCP rendezvous rank 0 releases the others one after another, so they leave it a few
+ * microseconds apart per rank (0-24 us over 8 ranks on an H200 host, docs/PERFORMANCE.md);
+ * with caller callbacks, whatever the caller's barrier gives.
+ */
 epx_status_t epx_group_barrier(epx_group_t group);
 /*
  * Collective allgather over the group's rendezvous, with the group's timeout (outside any
