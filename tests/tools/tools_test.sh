@@ -427,9 +427,44 @@ PY
         --experts 4 --topk 2
     expect_rc 2
     expect_err 'ranks-per-node 1, but the group has 2 ranks per node'
-    run "$EPX" bench --mode ll --ranks-per-node 1
-    expect_rc 2
-    expect_err 'ranks-per-node is for normal mode'
+    ;;
+bench_ll_nodes)
+    # Low latency on two virtual nodes of 2 ranks: checked results, and the put path's
+    # traffic counted from the routing, consistent with its model (docs/LOW_LATENCY.md).
+    run "$EPX" bench -n 4 --mode ll --ranks-per-node 2 --tokens 16 --hidden 256 --experts 8 \
+        --topk 4 --dtype all --check --json --iters 2
+    expect_rc 0
+    expect_count '"check":"PASS"' out 20
+    expect_count '"traffic":"expected"' out 4
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "traffic lines do not hold what they should"
+import json, sys
+lines = [json.loads(line) for line in open(sys.argv[1])]
+traffic = {(r["dtype"], r["traffic_op"]): r for r in lines if r.get("traffic") == "expected"}
+assert len(traffic) == 4, lines
+for (dtype, op), t in traffic.items():
+    assert t["mode"] == "ll" and t["nodes"] == 2 and t["ranks_per_node"] == 2, t
+    assert t["tokens_total"] == 4 * 16 and t["peers_total"] == 4 * 2, t
+    # A row per distinct (token, expert in another node): at most k a token; at least one
+    # per (token, rank) pair, and per batch.
+    assert 0 < t["pairs_total"] <= t["rows_total"] <= 4 * 16 * 4, t
+    assert 0 < t["batches_total"] <= min(t["rows_total"], 4 * 4), t
+    rows, row_bytes = t["rows_total"], 256 + 2 * 4 if dtype == "fp8" else 512
+    if op == "dispatch":
+        assert t["messages_total"] == t["batches_total"] * (4 if dtype == "fp8" else 3) + 8, t
+        assert t["network_bytes_total"] == rows * (row_bytes + 8) + 8 * (8 + 1) * 8, t
+        assert abs(t["row_bytes_per_token_if_per_rank"] - t["pairs_total"] * row_bytes / 64) < 1e-3
+    else:
+        assert t["messages_total"] == rows and t["network_bytes_total"] == rows * 512, t
+# The routing does not depend on the dtype.
+assert traffic[("bf16", "dispatch")]["rows_total"] == traffic[("fp8", "combine")]["rows_total"]
+PY
+    fi
+    # One node: no put path, no traffic lines.
+    run "$EPX" bench -n 2 --mode ll --ranks-per-node 2 --tokens 8 --hidden 256 --experts 4 \
+        --topk 2 --iters 1
+    expect_rc 0
+    expect_count 'put-path' out 0
     ;;
 bench_ll_check)
     # Low-latency mode, both dispatch dtypes, checked: ten ops each.

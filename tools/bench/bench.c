@@ -77,11 +77,13 @@ static const char bench_usage[] =
     "  --timeout S       limit for the launch that -n starts (600 s, at least the soak's\n"
     "                    duration + 600 s; 0 = none)\n"
     "  --mps             with -n: run the ranks under a CUDA MPS daemon (epx launch --mps)\n"
-    "  --ranks-per-node K  normal mode: virtual nodes of K ranks (with -n: the launch's\n"
+    "  --ranks-per-node K  virtual nodes of K ranks (with -n: the launch's\n"
     "                    --ranks-per-node; in a launch, EPX_RANKS_PER_NODE must say K);\n"
-    "                    prints the expected traffic across nodes: network bytes per rank\n"
-    "                    and per token (payload and record overhead), network messages per\n"
-    "                    token, bytes moved inside nodes (docs/INTERNODE.md)\n"
+    "                    prints the expected traffic across nodes: normal mode, network\n"
+    "                    bytes per rank and per token (payload and record overhead),\n"
+    "                    network messages per token, bytes moved inside nodes\n"
+    "                    (docs/INTERNODE.md); --mode ll, the put path's rows, messages and\n"
+    "                    bytes per token (docs/LOW_LATENCY.md)\n"
     "  -h, --help        this text\n"
     "\n"
     "The table's floor is the least time the op can take, all ranks at once, moving the\n"
@@ -141,11 +143,6 @@ static int apply_mode_defaults(epx__bench_options_t *o)
     if (o->round_scale && !o->run_fp8) {
         fprintf(stderr, "epx bench: --round-scale and --ue8m0 apply to fp8 dispatch, which "
                         "--dtype bf16 leaves out\n");
-        return 2;
-    }
-    if (o->ranks_per_node > 0 && ll) {
-        fprintf(stderr, "epx bench: --ranks-per-node is for normal mode (the low-latency "
-                        "bench takes EPX_RANKS_PER_NODE from the launch)\n");
         return 2;
     }
     if (o->ranks_per_node > 0 && o->num_ranks > 0 && o->num_ranks % o->ranks_per_node != 0) {

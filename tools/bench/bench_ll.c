@@ -31,6 +31,7 @@
 #include "bench.h"
 #include "bench_ll.h"
 #include "bench_ll_case.h"
+#include "bench_ll_nodes.h"
 #include "moe_ll.h"
 
 /* What every rank tells the others after the timed iterations. */
@@ -39,7 +40,16 @@ typedef struct {
     int64_t recv_rows;
     int64_t tokens;
     int32_t check[EPX__BENCH_LL_OP_COUNT];
+    epx__bench_ll_nodes_counts_t traffic; /* its tokens' put-path traffic (several nodes) */
 } rank_summary_t;
+
+/* The put path's traffic of a case: rank 0's and every rank's (when the group spans
+ * nodes; `counted` 0 otherwise). */
+typedef struct {
+    int counted;
+    epx__bench_ll_nodes_shape_t shape;
+    epx__bench_ll_nodes_counts_t rank0, total;
+} ll_traffic_t;
 
 /* ---------------------------------------------------------------- one case */
 
@@ -198,7 +208,7 @@ static void make_launch_lags(double *times, int world, int iters)
 static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_options_t *options,
                     epx__bench_device_t *device, const epx__bench_context_t *context,
                     epx_dtype_t dtype, epx__bench_stats_t *per_rank,
-                    epx__bench_ll_row_t rows[EPX__BENCH_LL_OP_COUNT])
+                    epx__bench_ll_row_t rows[EPX__BENCH_LL_OP_COUNT], ll_traffic_t *traffic)
 {
     ll_case_t lc;
     memset(&lc, 0, sizeof(lc));
@@ -233,6 +243,19 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     mine.sent_rows = lc.sent_rows;
     mine.recv_rows = lc.recv_rows;
     mine.tokens = lc.inputs.num_tokens;
+    memset(traffic, 0, sizeof(*traffic));
+    traffic->counted = info.ranks_per_node < info.world_size;
+    if (traffic->counted) {
+        epx__bench_ll_nodes_shape_t shape = {info.world_size, info.ranks_per_node,
+                                             options->experts, options->topk, options->hidden};
+        traffic->shape = shape;
+        if (epx__bench_ll_nodes_count(&shape, lc.rank, lc.inputs.topk_idx, lc.inputs.num_tokens,
+                                      &mine.traffic) != 0) {
+            fprintf(stderr, "epx bench: rank %d: cannot count the traffic of this routing\n",
+                    lc.rank);
+            exit(1);
+        }
+    }
 
     int iters = context->iters;
     size_t per_rank_times = (size_t)iters * EPX__BENCH_LL_OP_COUNT;
@@ -255,6 +278,16 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     epx__bench_allgather(group, my_times, all_times, per_rank_times * sizeof(double),
                          "gathering times");
     epx__bench_allgather(group, &mine, all, sizeof(mine), "gathering check results");
+    if (traffic->counted) {
+        traffic->rank0 = all[0].traffic;
+        for (int r = 0; r < lc.world_size; r++) {
+            traffic->total.tokens += all[r].traffic.tokens;
+            traffic->total.rows += all[r].traffic.rows;
+            traffic->total.pairs += all[r].traffic.pairs;
+            traffic->total.batches += all[r].traffic.batches;
+            traffic->total.peers += all[r].traffic.peers;
+        }
+    }
     make_launch_lags(all_times, lc.world_size, iters);
     make_rows(&lc, dtype, all_times, iters, all, per_rank, rows);
 
@@ -298,7 +331,7 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
     if (info.rank == 0 && !options->json)
         epx__bench_ll_print_header(stdout, &ll);
 
-    int failed = 0;
+    int failed = 0, explained = 0;
     const epx_dtype_t dtypes[] = {EPX_DTYPE_BF16, EPX_DTYPE_FP8_E4M3};
     for (int d = 0; d < 2; d++) {
         if ((d == 0 && !options->run_bf16) || (d == 1 && !options->run_fp8))
@@ -310,7 +343,9 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
             fprintf(stderr, "epx bench: rank %d: out of memory\n", info.rank);
             exit(1);
         }
-        failed |= run_case(group, buffer, options, device, context, dtypes[d], per_rank, rows);
+        ll_traffic_t traffic;
+        failed |= run_case(group, buffer, options, device, context, dtypes[d], per_rank, rows,
+                           &traffic);
         /* CUDA graphs exist on the GPU backend only: elsewhere that row is left out. */
         int printed = info.backend == EPX_BACKEND_CUDA ? EPX__BENCH_LL_OP_COUNT
                                                        : EPX__BENCH_LL_GRAPH_STEP;
@@ -319,6 +354,10 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
                 epx__bench_ll_print_row(stdout, &ll, &rows[op], options->json);
             if (!options->json)
                 epx__bench_ll_print_per_rank(stdout, &ll, rows, printed);
+            if (traffic.counted)
+                epx__bench_ll_nodes_print(stdout, &traffic.shape, dtypes[d], &traffic.rank0,
+                                          &traffic.total, options->json, !explained);
+            explained = 1;
         }
         free(per_rank);
     }
