@@ -47,7 +47,7 @@ typedef struct {
  * nodes; `counted` 0 otherwise). */
 typedef struct {
     int counted;
-    epx__bench_ll_nodes_shape_t shape;
+    epx__bench_nodes_shape_t shape;
     epx__bench_ll_nodes_counts_t rank0, total;
 } ll_traffic_t;
 
@@ -246,8 +246,8 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
     memset(traffic, 0, sizeof(*traffic));
     traffic->counted = info.ranks_per_node < info.world_size;
     if (traffic->counted) {
-        epx__bench_ll_nodes_shape_t shape = {info.world_size, info.ranks_per_node,
-                                             options->experts, options->topk, options->hidden};
+        epx__bench_nodes_shape_t shape = {info.world_size, info.ranks_per_node, options->experts,
+                                          options->topk, options->hidden, dtype};
         traffic->shape = shape;
         if (epx__bench_ll_nodes_count(&shape, lc.rank, lc.inputs.topk_idx, lc.inputs.num_tokens,
                                       &mine.traffic) != 0) {

@@ -10,19 +10,12 @@
 
 #include "bench_report.h"
 
-static int shape_is_valid(const epx__bench_ll_nodes_shape_t *s)
-{
-    return s->world_size >= 1 && s->ranks_per_node >= 1 &&
-           s->world_size % s->ranks_per_node == 0 && s->num_experts >= s->world_size &&
-           s->num_experts % s->world_size == 0 && s->num_topk >= 1 && s->hidden >= 1;
-}
-
-int epx__bench_ll_nodes_count(const epx__bench_ll_nodes_shape_t *shape, int rank,
+int epx__bench_ll_nodes_count(const epx__bench_nodes_shape_t *shape, int rank,
                               const int64_t *topk_idx, int64_t tokens,
                               epx__bench_ll_nodes_counts_t *counts)
 {
     memset(counts, 0, sizeof(*counts));
-    if (!shape_is_valid(shape) || rank < 0 || rank >= shape->world_size || tokens < 0)
+    if (!epx__bench_nodes_shape_valid(shape) || rank < 0 || rank >= shape->world_size || tokens < 0)
         return -1;
     const int R = shape->world_size, E = shape->num_experts, k = shape->num_topk;
     const int per_node = shape->ranks_per_node, experts_per_rank = E / R;
@@ -71,7 +64,7 @@ int epx__bench_ll_nodes_count(const epx__bench_ll_nodes_shape_t *shape, int rank
     return status;
 }
 
-epx__bench_ll_nodes_traffic_t epx__bench_ll_nodes_traffic(const epx__bench_ll_nodes_shape_t *shape,
+epx__bench_ll_nodes_traffic_t epx__bench_ll_nodes_traffic(const epx__bench_nodes_shape_t *shape,
                                                           epx_dtype_t dtype,
                                                           const epx__bench_ll_nodes_counts_t *c)
 {
@@ -93,21 +86,17 @@ static double per_token(int64_t value, int64_t tokens)
     return tokens > 0 ? (double)value / (double)tokens : NAN;
 }
 
-static void print_json(FILE *out, const epx__bench_ll_nodes_shape_t *shape, epx_dtype_t dtype,
+static void print_json(FILE *out, const epx__bench_nodes_shape_t *shape, epx_dtype_t dtype,
                        const char *op, int64_t messages, int64_t bytes, int64_t bytes_rank0,
                        const epx__bench_ll_nodes_counts_t *total, int64_t rows_per_rank_bytes)
 {
-    /* "traffic_op", not "op": these lines are not timed rows. */
+    epx__bench_nodes_print_json_start(out, "ll", shape, dtype, op);
     fprintf(out,
-            "{\"mode\":\"ll\",\"traffic\":\"expected\",\"ranks\":%d,\"ranks_per_node\":%d,"
-            "\"nodes\":%d,\"experts\":%d,\"topk\":%d,\"hidden\":%lld,\"dtype\":\"%s\","
-            "\"traffic_op\":\"%s\",\"tokens_total\":%lld,\"rows_total\":%lld,"
+            ",\"tokens_total\":%lld,\"rows_total\":%lld,"
             "\"pairs_total\":%lld,\"batches_total\":%lld,\"peers_total\":%lld,"
             "\"messages_total\":%lld,\"network_bytes_total\":%lld,"
             "\"network_bytes_per_rank\":%lld",
-            shape->world_size, shape->ranks_per_node, shape->world_size / shape->ranks_per_node,
-            shape->num_experts, shape->num_topk, (long long)shape->hidden,
-            epx__bench_dtype_text(dtype), op, (long long)total->tokens, (long long)total->rows,
+            (long long)total->tokens, (long long)total->rows,
             (long long)total->pairs, (long long)total->batches, (long long)total->peers,
             (long long)messages, (long long)bytes, (long long)bytes_rank0);
     epx__bench_print_json_number(out, "network_messages_per_token",
@@ -119,7 +108,7 @@ static void print_json(FILE *out, const epx__bench_ll_nodes_shape_t *shape, epx_
     fprintf(out, "}\n");
 }
 
-void epx__bench_ll_nodes_print(FILE *out, const epx__bench_ll_nodes_shape_t *shape,
+void epx__bench_ll_nodes_print(FILE *out, const epx__bench_nodes_shape_t *shape,
                                epx_dtype_t dtype, const epx__bench_ll_nodes_counts_t *rank0,
                                const epx__bench_ll_nodes_counts_t *total, int json, int explain)
 {

@@ -10,7 +10,8 @@
  * ((E + 1) x 8 bytes, with its signal) to every rank of the other nodes per dispatch.
  * Combine pushes each such row back as one bf16 row with its signal. Also counted: the
  * rows a dispatch would put if it sent one row per (token, destination rank) instead of
- * one per (token, expert), which issue 14 names as an option.
+ * one per (token, expert). The shape is normal mode's (bench_nodes.h); its dtype is not
+ * read: each call names the dispatch dtype.
  */
 #ifndef EPX_TOOLS_BENCH_LL_NODES_H
 #define EPX_TOOLS_BENCH_LL_NODES_H
@@ -18,15 +19,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "bench_nodes.h"
 #include "epx.h"
-
-typedef struct {
-    int world_size;
-    int ranks_per_node; /* divides world_size */
-    int num_experts;    /* a multiple of world_size; expert e is on rank e / (E / R) */
-    int num_topk;
-    int64_t hidden;
-} epx__bench_ll_nodes_shape_t;
 
 /* One rank's tokens, or summed over ranks. */
 typedef struct {
@@ -42,7 +36,7 @@ typedef struct {
  * `rank` into `counts` (zeroed first). Returns 0, or -1 for an id outside
  * [-1, num_experts) or a shape that does not hold together.
  */
-int epx__bench_ll_nodes_count(const epx__bench_ll_nodes_shape_t *shape, int rank,
+int epx__bench_ll_nodes_count(const epx__bench_nodes_shape_t *shape, int rank,
                               const int64_t *topk_idx, int64_t tokens,
                               epx__bench_ll_nodes_counts_t *counts);
 
@@ -55,7 +49,7 @@ typedef struct {
     int64_t combine_bytes;
 } epx__bench_ll_nodes_traffic_t;
 
-epx__bench_ll_nodes_traffic_t epx__bench_ll_nodes_traffic(const epx__bench_ll_nodes_shape_t *shape,
+epx__bench_ll_nodes_traffic_t epx__bench_ll_nodes_traffic(const epx__bench_nodes_shape_t *shape,
                                                           epx_dtype_t dtype,
                                                           const epx__bench_ll_nodes_counts_t *counts);
 
@@ -63,7 +57,7 @@ epx__bench_ll_nodes_traffic_t epx__bench_ll_nodes_traffic(const epx__bench_ll_no
  * Rank 0's counts and every rank's, printed for one dispatch dtype: a table (with what
  * its figures mean when `explain`), or one JSON object per operation.
  */
-void epx__bench_ll_nodes_print(FILE *out, const epx__bench_ll_nodes_shape_t *shape,
+void epx__bench_ll_nodes_print(FILE *out, const epx__bench_nodes_shape_t *shape,
                                epx_dtype_t dtype, const epx__bench_ll_nodes_counts_t *rank0,
                                const epx__bench_ll_nodes_counts_t *total, int json, int explain);
 

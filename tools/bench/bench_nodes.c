@@ -14,7 +14,7 @@
 /* Largest node size counted on the stack; beyond it, one heap array per call. */
 #define NODES_ON_STACK 64
 
-static int shape_is_valid(const epx__bench_nodes_shape_t *s)
+int epx__bench_nodes_shape_valid(const epx__bench_nodes_shape_t *s)
 {
     return s->world_size >= 1 && s->ranks_per_node >= 1 &&
            s->world_size % s->ranks_per_node == 0 && s->num_experts >= s->world_size &&
@@ -26,7 +26,7 @@ int epx__bench_nodes_count(const epx__bench_nodes_shape_t *shape, int home_rank,
                            epx__bench_nodes_counts_t *counts)
 {
     memset(counts, 0, sizeof(*counts));
-    if (!shape_is_valid(shape) || home_rank < 0 || home_rank >= shape->world_size ||
+    if (!epx__bench_nodes_shape_valid(shape) || home_rank < 0 || home_rank >= shape->world_size ||
         tokens < 0)
         return -1;
     int world = shape->world_size, per_node = shape->ranks_per_node;
@@ -197,6 +197,19 @@ static void print_table_row(FILE *out, const epx__bench_nodes_row_t *row)
     fputc('\n', out);
 }
 
+void epx__bench_nodes_print_json_start(FILE *out, const char *mode,
+                                       const epx__bench_nodes_shape_t *shape, epx_dtype_t dtype,
+                                       const char *op)
+{
+    fprintf(out,
+            "{\"mode\":\"%s\",\"traffic\":\"expected\",\"ranks\":%d,\"ranks_per_node\":%d,"
+            "\"nodes\":%d,\"experts\":%d,\"topk\":%d,\"hidden\":%lld,\"dtype\":\"%s\","
+            "\"traffic_op\":\"%s\"",
+            mode, shape->world_size, shape->ranks_per_node,
+            shape->world_size / shape->ranks_per_node, shape->num_experts, shape->num_topk,
+            (long long)shape->hidden, epx__bench_dtype_text(dtype), op);
+}
+
 /* Keys are our own fixed words (nothing to escape). */
 static void print_json_row(FILE *out, const epx__bench_nodes_shape_t *shape,
                            const epx__bench_nodes_row_t *row)
@@ -204,19 +217,14 @@ static void print_json_row(FILE *out, const epx__bench_nodes_shape_t *shape,
     const epx__bench_nodes_counts_t *total = &row->total, *rank0 = &row->rank0;
     int64_t net_total = epx__bench_nodes_network_bytes(row, total);
     int64_t local_total = epx__bench_nodes_local_bytes(row, total);
-    /* "traffic_op", not "op": these lines are not timed rows (epx doctor reads "op"). */
+    epx__bench_nodes_print_json_start(out, "normal", shape, row->dtype, op_name(row->op));
     fprintf(out,
-            "{\"mode\":\"normal\",\"traffic\":\"expected\",\"ranks\":%d,\"ranks_per_node\":%d,"
-            "\"nodes\":%d,\"experts\":%d,\"topk\":%d,\"hidden\":%lld,\"dtype\":\"%s\","
-            "\"traffic_op\":\"%s\",\"tokens_total\":%lld,\"records_rank0\":%lld,"
+            ",\"tokens_total\":%lld,\"records_rank0\":%lld,"
             "\"records_total\":%lld,\"payload_bytes_per_record\":%lld,"
             "\"overhead_bytes_per_record\":%lld,\"local_row_bytes\":%lld,"
             "\"home_rows_total\":%lld,\"forwarded_rows_total\":%lld,"
             "\"network_bytes_per_rank\":%lld,\"network_bytes_total\":%lld,"
             "\"local_bytes_per_rank\":%lld,\"local_bytes_total\":%lld",
-            shape->world_size, shape->ranks_per_node, shape->world_size / shape->ranks_per_node,
-            shape->num_experts, shape->num_topk, (long long)shape->hidden,
-            epx__bench_dtype_text(row->dtype), op_name(row->op),
             (long long)total->tokens, (long long)rank0->records, (long long)total->records,
             (long long)row->sizes.payload, (long long)row->sizes.overhead,
             (long long)row->sizes.local_row, (long long)total->home_rows,

@@ -29,6 +29,9 @@ typedef struct {
     epx_dtype_t dtype;  /* the dispatch dtype: BF16, or FP8_E4M3 with hidden / 128 fp32 scales */
 } epx__bench_nodes_shape_t;
 
+/* 1 when the shape holds together (node size divides the ranks, experts split evenly). */
+int epx__bench_nodes_shape_valid(const epx__bench_nodes_shape_t *shape);
+
 /* Counts of one rank's tokens, or summed over ranks. */
 typedef struct {
     int64_t tokens;
@@ -73,6 +76,13 @@ int64_t epx__bench_nodes_network_bytes(const epx__bench_nodes_row_t *row,
                                        const epx__bench_nodes_counts_t *counts);
 int64_t epx__bench_nodes_local_bytes(const epx__bench_nodes_row_t *row,
                                      const epx__bench_nodes_counts_t *counts);
+
+/* The start of a traffic JSON line, up to "traffic_op" (`mode`: "normal" or "ll"); the
+ * caller adds its figures and the closing brace. "traffic_op", not "op": these lines are
+ * not timed rows (epx doctor reads "op"). */
+void epx__bench_nodes_print_json_start(FILE *out, const char *mode,
+                                       const epx__bench_nodes_shape_t *shape, epx_dtype_t dtype,
+                                       const char *op);
 
 /* The table's header (with what the figures mean when `explain`), then one line per
  * row; or one JSON object per row. */
