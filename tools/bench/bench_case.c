@@ -112,6 +112,21 @@ static epx_tensor_t combine_view(bench_case_t *bc, epx_handle_t handle)
     return view;
 }
 
+/* Where a combine op's x comes from, as its messages say it. */
+static const char *combine_x_text(epx__bench_op_t op)
+{
+    switch (op) {
+    case EPX__BENCH_OP_COMBINE:
+        return "input view";
+    case EPX__BENCH_OP_COMBINE_COPY:
+        return "separate x";
+    case EPX__BENCH_OP_COMBINE_REGISTERED:
+        return "registered x";
+    default:
+        return "input view, top-k weights";
+    }
+}
+
 /* x from the combine-input view (`op` EPX__BENCH_OP_COMBINE) or a separate tensor. */
 static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t op)
 {
@@ -130,11 +145,12 @@ static void run_combine(bench_case_t *bc, epx_handle_t handle, epx__bench_op_t o
         args.out_topk_weights =
             epx_tensor_2d(bc->out_weights, EPX_DTYPE_FP32, bc->moe.num_tokens, k);
     }
-    epx__bench_must(bc->rank, epx_combine(bc->buffer, &args, bc->device->stream),
-                    op == EPX__BENCH_OP_COMBINE ? "epx_combine (input view)"
-                    : op == EPX__BENCH_OP_COMBINE_COPY ? "epx_combine (separate x)"
-                    : op == EPX__BENCH_OP_COMBINE_WEIGHTS ? "epx_combine (top-k weights)"
-                                                       : "epx_combine (registered x)");
+    const epx_status_t status = epx_combine(bc->buffer, &args, bc->device->stream);
+    if (status != EPX_SUCCESS) {
+        char what[64];
+        snprintf(what, sizeof(what), "epx_combine (%s)", combine_x_text(op));
+        epx__bench_must(bc->rank, status, what);
+    }
 }
 
 /* ---------------------------------------------------------------- setup */
@@ -416,7 +432,7 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
     const epx__bench_op_t combines[] = {EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_COPY,
                                         EPX__BENCH_OP_COMBINE_REGISTERED,
                                         EPX__BENCH_OP_COMBINE_WEIGHTS};
-    for (int i = 0; i < 4; i++) {
+    for (size_t i = 0; i < sizeof(combines) / sizeof(combines[0]); i++) {
         epx__bench_must(bc->rank, epx__bench_fill(bc->device, bc->out_x, 0xff, out_bytes),
                         "bench clearing out_x");
         epx__bench_must(bc->rank,
@@ -424,13 +440,10 @@ static void run_checked(bench_case_t *bc, rank_summary_t *summary)
                                         (size_t)bc->moe.num_tokens * (size_t)k * 4),
                         "bench clearing out_topk_weights");
         run_combine(bc, result.handle, combines[i]);
-        if (check && !check_combine(bc, combines[i] == EPX__BENCH_OP_COMBINE
-                                            ? "combine (input view) out_x"
-                                        : combines[i] == EPX__BENCH_OP_COMBINE_COPY
-                                            ? "combine_copy (separate x) out_x"
-                                        : combines[i] == EPX__BENCH_OP_COMBINE_WEIGHTS
-                                            ? "combine_weights (input view) out_x"
-                                            : "combine_registered (registered x) out_x"))
+        char what[96];
+        snprintf(what, sizeof(what), "%s (%s) out_x", epx__bench_op_name(combines[i]),
+                 combine_x_text(combines[i]));
+        if (check && !check_combine(bc, what))
             summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
         if (check && combines[i] == EPX__BENCH_OP_COMBINE_WEIGHTS && !check_combined_weights(bc))
             summary->check[combines[i]] = EPX__BENCH_CHECK_FAIL;
