@@ -647,8 +647,9 @@ typedef struct {
 
 /*
  * Collective. out[t] = bf16(sum over j with topk_idx[t][j] >= 0 of
- * topk_weights[t][j] * x_expert[row of (t, expert)]), fp32 products and sums in j order;
- * a token with no expert (or only masked ones) gets zeros. `result` may be NULL. May be
+ * topk_weights[t][j] * x_expert[row of (t, expert)]), in fp32 and j order, each entry added
+ * with one fused multiply-add (acc = fmaf(w, x, acc): one rounding, as DeepEP's combine
+ * compiles to); a token with no expert (or only masked ones) gets zeros. `result` may be NULL. May be
  * called again with the same handle (e.g. benchmarks); each call is collective.
  */
 epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *args,

@@ -216,10 +216,8 @@ int moe_ll_oracle_combine(const moe_case_t *c, int rank, const uint8_t *mask, ui
             }
             moe_ll_expert_row(c, expert, rank, t, row);
             float w = in.topk_weights[t * k + j];
-            for (int64_t h = 0; h < hidden; h++) {
-                float product = w * moe_bf16_to_float(row[h]);
-                sum[h] = sum[h] + product;
-            }
+            for (int64_t h = 0; h < hidden; h++)
+                sum[h] = fmaf(w, moe_bf16_to_float(row[h]), sum[h]); /* one rounding */
         }
         for (int64_t h = 0; h < hidden; h++)
             result[t * hidden + h] = moe_float_to_bf16(sum[h]);

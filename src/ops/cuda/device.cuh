@@ -247,6 +247,21 @@ __device__ __forceinline__ float epx_bf16_hi(uint32_t pair)
     return __uint_as_float(pair & 0xffff0000u);
 }
 
+/*
+ * acc[i] = fma(w, y[i], acc[i]) for the 8 bf16 values y packed in `raw`: one rounding per
+ * element (fp32 fused multiply-add, as fmaf on the host), the low-latency combine's sum.
+ * The values are unpacked by shifts (a bf16 is the top half of its fp32).
+ */
+__device__ __forceinline__ void epx_bf16x8_fma(float acc[8], float w, const int4 &raw)
+{
+    const uint32_t pairs[4] = {(uint32_t)raw.x, (uint32_t)raw.y, (uint32_t)raw.z, (uint32_t)raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc[2 * i] = __fmaf_rn(w, epx_bf16_lo(pairs[i]), acc[2 * i]);
+        acc[2 * i + 1] = __fmaf_rn(w, epx_bf16_hi(pairs[i]), acc[2 * i + 1]);
+    }
+}
+
 /* Round to nearest even, NaN kept quiet: the same rule as the host oracle. */
 __device__ __forceinline__ uint32_t epx_float_to_bf16(float value)
 {

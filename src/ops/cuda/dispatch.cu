@@ -154,10 +154,13 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
         if (a.topk_idx != NULL) {
             for (int k = lane; k < K; k += 32) {
-                int64_t e = k == lane ? my_id : a.topk_idx[t * a.topk_stride + k];
+                /* Entries 0..31 were loaded before the row (lane k: entry k). */
+                int64_t e = my_id;
                 float w = my_weight;
-                if (k != lane)
+                if (k != lane) {
+                    e = a.topk_idx[t * a.topk_stride + k];
                     w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
+                }
                 /* Ids out of range were refused by the count exchange before this kernel. */
                 int home = e >= 0 ? (int)(e / L) : -1;
                 for (int j = 0; j < n; j++) {

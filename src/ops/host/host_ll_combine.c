@@ -6,9 +6,11 @@
  * combine staging [source token][top-k position of the row's first occurrence]; then
  * raise the combine flag at every unmasked home rank.
  * Receive: wait for the combine flags of the unmasked expert ranks, then for each token
- * out = bf16(sum over j of w_j * y_j) in fp32, j in order, skipping -1 and adding
+ * out = bf16(sum over j of w_j * y_j) in fp32, one fmaf per entry, j in order (the GPU's
+ * fused multiply-add, one rounding), skipping -1 and adding
  * nothing (and counting the entry) for experts on masked ranks; release the slot.
  */
+#include <math.h>
 #include <string.h>
 
 #include "ops/host/bf16.h"
@@ -99,10 +101,8 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
                 first++;
             const uint16_t *y = stage + ((size_t)t * (size_t)k + (size_t)first) * (size_t)hidden;
             float w = weights[j];
-            for (int64_t h = 0; h < hidden; h++) {
-                float product = w * epx__bf16_to_float(y[h]);
-                acc[h] = acc[h] + product;
-            }
+            for (int64_t h = 0; h < hidden; h++)
+                acc[h] = fmaf(w, epx__bf16_to_float(y[h]), acc[h]);
         }
         uint16_t *out = (uint16_t *)s->out.data + t * out_stride;
         for (int64_t h = 0; h < hidden; h++)

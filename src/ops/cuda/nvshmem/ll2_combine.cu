@@ -2,8 +2,8 @@
  * Kernels 2 of the low-latency combine (EPX_LL_KERNELS=2; docs/LOW_LATENCY.md, "Kernels
  * 2"; src/ops/host/host_ll_combine.c is the oracle they match).
  *
- * What moves: out[t] = bf16(sum over j of w_j * y(t, e_j)), fp32 __fmul_rn / __fadd_rn
- * in top-k order. Each home rank pulls the expert outputs of its tokens where the expert
+ * What moves: out[t] = bf16(sum over j of w_j * y(t, e_j)), an fp32 fused multiply-add
+ * per entry in top-k order (epx_bf16x8_fma). Each home rank pulls the expert outputs of its tokens where the expert
  * ranks wrote them (the zero-copy combine input [local expert][packed row]; the packed
  * row is what the kernels-2 dispatch placed the row at, kept in send_pos), except from
  * ranks reached only by NVSHMEM puts (other nodes, or EPX_LL_FORCE_PUTS): those push each
@@ -298,12 +298,7 @@ __device__ void reduce_batch(const epx_ll_shape_t &s, const epx_ll_op_t &op, con
                 const int jj = g * EPX_LL2_STAGE_ROWS + b;
                 if (jj >= valid)
                     break;
-                const int4 raw = slot[b * 32];
-                const float w = m.weight[tt * k + jj];
-                const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw);
-#pragma unroll
-                for (int i = 0; i < 8; i++)
-                    acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+                epx_bf16x8_fma(acc, m.weight[tt * k + jj], slot[b * 32]);
             }
         }
         if (g == groups - 1) {
@@ -366,13 +361,8 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
                 if (g + b >= valid)
                     break;
                 const float w = m.weight[entry + g + b];
-                const __nv_bfloat16 *y0 = reinterpret_cast<const __nv_bfloat16 *>(&raw0[b]);
-                const __nv_bfloat16 *y1 = reinterpret_cast<const __nv_bfloat16 *>(&raw1[b]);
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    acc0[i] = __fadd_rn(acc0[i], __fmul_rn(w, __bfloat162float(y0[i])));
-                    acc1[i] = __fadd_rn(acc1[i], __fmul_rn(w, __bfloat162float(y1[i])));
-                }
+                epx_bf16x8_fma(acc0, w, raw0[b]);
+                epx_bf16x8_fma(acc1, w, raw1[b]);
             }
         }
         const int64_t token = b0 + u / chunks;

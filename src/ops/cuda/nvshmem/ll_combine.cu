@@ -13,8 +13,8 @@
  * - push (some peer needs NVSHMEM puts): send puts each row of x into its home rank's
  *   combine staging at [source token][top-k position]; the receive reads it locally.
  * Receive (a warp takes a token's top-k entries once, then chunks of 256 channels):
- * wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32 with
- * __fmul_rn / __fadd_rn in j order (no fused multiply-add, like the host), entries on
+ * wait for the expert ranks' flags, out = bf16(sum over j of w_j * y_j) in fp32, one
+ * fused multiply-add per entry in j order (fmaf on the host), entries on
  * masked ranks skipped; the last block releases the slot to the expert ranks.
  * The send's last block also gives the step's dispatch results back (ll_device.cuh).
  */
@@ -198,9 +198,7 @@ static __device__ __forceinline__ void epx_ll_combine_recv(epx_ll_shape_t s, epx
                         const float w = __shfl_sync(0xffffffffu, weight, b0 + b < n ? b0 + b : 0);
                         if (b0 + b >= n)
                             continue;
-                        const __nv_bfloat16 *y = reinterpret_cast<const __nv_bfloat16 *>(&raw[b]);
-                        for (int i = 0; i < 8; i++)
-                            acc[i] = __fadd_rn(acc[i], __fmul_rn(w, __bfloat162float(y[i])));
+                        epx_bf16x8_fma(acc, w, raw[b]);
                     }
                 }
             }
