@@ -167,12 +167,15 @@ static epx_status_t create_local(epx_buffer_t buffer, epx__cuda_buffer_t *cuda)
     int R = s->world_size;
     EPX_CUDA_CHECK(cudaMalloc((void **)&cuda->local, sizeof(epx__cuda_local_t)),
                    "buffer_create: cudaMalloc of the device state");
-    epx__cuda_local_t init;
-    memset(&init, 0, sizeof(init));
+    epx__cuda_local_t *init = calloc(1, sizeof(*init));
+    if (init == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
     for (int r = 0; r < R; r++)
-        init.peers[r] = cuda->peer_bases[r];
-    EPX_CUDA_CHECK(cudaMemcpy(cuda->local, &init, sizeof(init), cudaMemcpyHostToDevice),
-                   "buffer_create: initialising the device state");
+        init->peers[r] = cuda->peer_bases[r];
+    init->scan_first_bad = ~0ull;
+    cudaError_t copied = cudaMemcpy(cuda->local, init, sizeof(*init), cudaMemcpyHostToDevice);
+    free(init);
+    EPX_CUDA_CHECK(copied, "buffer_create: initialising the device state");
 
     size_t mapped_bytes = sizeof(epx__cuda_mapped_t) +
                           ((size_t)R * R + (size_t)s->num_local_experts) * sizeof(int32_t);

@@ -112,6 +112,7 @@ static epx_status_t launch_kernels(epx_buffer_t buffer, const epx_dispatch_args_
     n.recv_count = state->recv_count;
     n.recv_per_expert = state->recv_per_expert;
     n.expert_alignment = args->expert_alignment > 1 ? args->expert_alignment : 1;
+    n.max_blocks = cuda->num_sms;
     n.ticket = ticket;
     n.xn = state->xn;
     EPX_CUDA_CHECK(epx__cuda_run_notify(cuda, &n, stream),

@@ -41,8 +41,11 @@ extern "C" {
 #define EPX_CUDA_MAX_REGISTERED 8
 /* Threads per block of the data kernels (16 warps: one token per warp at a time). */
 #define EPX_CUDA_THREADS 512
-/* Threads of the one-block count exchange kernel. */
+/* Threads a block of the count exchange kernel (a fresh scan's tile: one token a thread
+ * a round). */
 #define EPX_CUDA_NOTIFY_THREADS 1024
+/* Most blocks (tiles) a fresh count scan splits its tokens over. */
+#define EPX_CUDA_SCAN_TILES 64
 /* Largest expert count the count kernels keep in shared memory. */
 #define EPX_CUDA_MAX_EXPERTS 8192
 
@@ -120,6 +123,18 @@ typedef struct {
     uint64_t reserved[15];
 } epx__cuda_ctrl_t;
 
+/*
+ * One tile of a fresh count scan (layout.cu): its tokens per destination rank, then the
+ * running total up to and including it, each published under `state` = seq * 4 +
+ * EPX_CUDA_SCAN_AGGREGATE or EPX_CUDA_SCAN_PREFIX of the operation (no reset needed).
+ */
+enum { EPX_CUDA_SCAN_AGGREGATE = 1, EPX_CUDA_SCAN_PREFIX = 2 };
+typedef struct {
+    uint64_t state;
+    int32_t aggregate[EPX_CUDA_MAX_RANKS];
+    int32_t prefix[EPX_CUDA_MAX_RANKS];
+} epx__cuda_scan_tile_t;
+
 /* Device state only this rank touches. */
 #define EPX_CUDA_GRID_COUNTERS 4
 typedef struct {
@@ -136,6 +151,13 @@ typedef struct {
     /* epx_buffer_register's ranges: registered[i][r] is rank r's range i as mapped here
      * (NULL: none, or not reached by CUDA IPC). */
     char *registered[EPX_CUDA_MAX_REGISTERED][EPX_CUDA_MAX_RANKS];
+    /* A fresh count scan over several blocks (layout.cu); the counters and sums are reset
+     * by the scan's last block. */
+    uint32_t scan_ticket;                       /* tiles handed out, in block start order */
+    uint32_t scan_done;                         /* tiles finished (last-block election) */
+    unsigned long long scan_first_bad;          /* lowest entry index with a bad id, or ~0 */
+    int32_t scan_experts[EPX_CUDA_MAX_EXPERTS]; /* this rank's tokens per expert */
+    epx__cuda_scan_tile_t scan_tiles[EPX_CUDA_SCAN_TILES];
 } epx__cuda_local_t;
 
 enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
@@ -315,7 +337,7 @@ typedef struct {
     int32_t *recv_count;      /* handle: rows received (written in fresh mode) */
     int32_t *recv_per_expert; /* handle: [L], rounded up to the alignment */
     int expert_alignment;     /* 1 = none */
-    int reserved;
+    int max_blocks;           /* the SM budget: a fresh scan uses at most this many blocks */
     uint64_t ticket;          /* nonzero: publish results to mapped memory, then ticket */
     /* Internode mode (handle state, see epx__cuda_xn_routing_t) */
     epx__cuda_xn_routing_t xn;

@@ -5,15 +5,19 @@
  * tokens per rank and per expert in shared memory and adds them to the outputs with
  * one atomic per counter; is_token_in_rank is written per token. Purely local.
  *
- * epx_notify_kernel (first kernel of every dispatch): one block of 1024 threads.
+ * epx_notify_kernel (first kernel of every dispatch): blocks of 1024 threads; one block
+ * in cached mode, in fresh mode a block per round of 1024 tokens (within the SM budget
+ * and EPX_CUDA_SCAN_TILES; a block then takes several rounds).
  *   1. Fresh mode: for each token the set of destination ranks (from topk_idx, or the
  *      caller's is_token_in_rank bits, whose per-expert counts then come from the
  *      caller's num_tokens_per_expert instead of being counted) and its ordinal among
- *      this rank's tokens to each destination (a block-wide scan, 1024 tokens a round,
- *      warp ballots + per-warp totals scanned by one warp's shuffles), written to the
- *      handle's send_row (16-byte stores), counts per rank and per expert. A token's ids
- *      are loaded at once (notify.cuh), so each round waits for memory once. Expert ids
- *      out of range are recorded, never followed.
+ *      this rank's tokens to each destination, written to the handle's send_row (16-byte
+ *      stores), counts per rank and per expert. Each block scans its tile of tokens (warp
+ *      ballots + per-warp totals scanned by one warp's shuffles, 1024 tokens a round),
+ *      starting from the tiles before it (a decoupled look-back over the tiles' published
+ *      counts, in the order the blocks started); the last block to finish goes on alone
+ *      with the totals. A token's ids are loaded at once (notify.cuh), so each round
+ *      waits for memory once. Expert ids out of range are recorded, never followed.
  *   2. One warp per peer writes this rank's count row [R], its per-expert counts for
  *      the peer's experts [L] and its input status into the peer's control area, then
  *      the count flag (release, system scope) carrying the operation's sequence number.
@@ -139,39 +143,203 @@ __device__ void epx_notify_finish(const epx__cuda_shape_t &s, const epx__cuda_no
     }
 }
 
+/*
+ * An earlier tile's state once it has published this operation's count (stamp + 1 or
+ * more), or 0 after the timeout (recorded; a tile never waits on anything before it
+ * publishes, so this is a bug or a dead GPU). Peers' abort words are not looked at here:
+ * this kernel records nothing before its last block (epx_notify_kernel).
+ */
+__device__ uint64_t epx_scan_tile_wait(const epx__cuda_shape_t &s, const epx__cuda_scan_tile_t *tile,
+                                       uint64_t stamp)
+{
+    const uint64_t start = epx_globaltimer();
+    for (;;) {
+        const uint64_t state = epx_ld_volatile_u64(&tile->state);
+        if (state >= stamp + EPX_CUDA_SCAN_AGGREGATE) {
+            __threadfence(); /* its counts after its state */
+            return state;
+        }
+        if (epx_globaltimer() - start > static_cast<uint64_t>(s.timeout_ns)) {
+            epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_NOTIFY, s.rank, s.rank, 0,
+                               0, 0);
+            return 0;
+        }
+    }
+}
+
+/*
+ * Step 1 (fresh mode) for one tile, the tokens [first, end) of the block that drew ticket
+ * `tile`: counts the tile's tokens per destination (and this rank's per expert, in
+ * shared memory), publishes them, adds up the tiles before it (decoupled look-back: a
+ * tile's running total where it is published, else its own count, further back; every
+ * earlier tile's block started before this one, so the waits end), then writes the
+ * tile's ordinals. A one-round tile keeps its masks in registers; longer tiles read
+ * their ids again in the second pass. Bad ids are only noted (the lowest entry index):
+ * the last block records the failure, so that no block sees this kernel's own failure
+ * at its start.
+ */
+__device__ void epx_notify_scan_tile(const epx__cuda_shape_t &s, const epx__cuda_notify_args_t &a,
+                                     int32_t *expert_counts, int32_t *warp_totals,
+                                     int32_t *running, int32_t *tile_counts, int tile,
+                                     int64_t first, int64_t end, uint64_t seq)
+{
+    const int R = s.world_size, lane = epx_lane(), warp = epx_warp();
+    unsigned long long *first_bad = &s.local->scan_first_bad;
+    int bad = 0;
+    for (int w = threadIdx.x; w < R; w += blockDim.x)
+        tile_counts[w] = 0;
+    __syncthreads();
+    uint64_t kept = 0;
+    for (int64_t round = first; round < end; round += blockDim.x) {
+        const int64_t t = round + threadIdx.x;
+        kept = t < end ? epx_notify_mask(s, a, t, expert_counts, &bad, first_bad) : 0;
+        for (int w = 0; w < R; w++) {
+            const unsigned ballot = __ballot_sync(0xffffffffu, (kept >> w) & 1u);
+            if (lane == 0 && ballot != 0)
+                atomicAdd(&tile_counts[w], __popc(ballot));
+        }
+    }
+    __syncthreads();
+
+    epx__cuda_scan_tile_t *tiles = s.local->scan_tiles, *mine = &tiles[tile];
+    if (warp == 0) {
+        const uint64_t stamp = seq * 4;
+        for (int w = lane; w < R; w += 32) {
+            mine->aggregate[w] = tile_counts[w];
+            if (tile == 0)
+                mine->prefix[w] = tile_counts[w];
+        }
+        __threadfence();
+        __syncwarp();
+        if (lane == 0)
+            *reinterpret_cast<volatile uint64_t *>(&mine->state) =
+                stamp + (tile == 0 ? EPX_CUDA_SCAN_PREFIX : EPX_CUDA_SCAN_AGGREGATE);
+        int32_t before[2] = {0, 0}; /* destinations lane and lane + 32 */
+        for (int p = tile - 1; p >= 0; p--) {
+            uint64_t state = lane == 0 ? epx_scan_tile_wait(s, &tiles[p], stamp) : 0;
+            state = __shfl_sync(0xffffffffu, state, 0);
+            if (state == 0)
+                break; /* timed out (recorded): the kernel's results are not used */
+            const bool prefix = state >= stamp + EPX_CUDA_SCAN_PREFIX;
+            const volatile int32_t *v = prefix ? tiles[p].prefix : tiles[p].aggregate;
+            for (int i = 0; i < 2; i++)
+                if (lane + 32 * i < R)
+                    before[i] += v[lane + 32 * i];
+            if (prefix)
+                break;
+        }
+        for (int i = 0; i < 2; i++) {
+            const int w = lane + 32 * i;
+            if (w < R) {
+                running[w] = before[i];
+                if (tile != 0)
+                    mine->prefix[w] = before[i] + tile_counts[w];
+            }
+        }
+        __threadfence();
+        __syncwarp();
+        if (lane == 0 && tile != 0)
+            *reinterpret_cast<volatile uint64_t *>(&mine->state) = stamp + EPX_CUDA_SCAN_PREFIX;
+    }
+    __syncthreads();
+
+    const bool one_round = end - first <= (int64_t)blockDim.x;
+    for (int64_t round = first; round < end; round += blockDim.x) {
+        const int64_t t = round + threadIdx.x;
+        const uint64_t mask =
+            one_round ? kept : (t < end ? epx_notify_mask(s, a, t, NULL, &bad, first_bad) : 0);
+        epx_scan_round(mask, R, t < end ? a.send_row + t * R : NULL, warp_totals, running);
+    }
+}
+
+/*
+ * After every tile (the last block to finish, GPU scope: all of it is this rank's own
+ * memory): this rank's totals per destination (the last tile's running total) and per
+ * expert (summed over the tiles, then zeroed with the counters for the next scan), and
+ * the lowest bad entry, now recorded. Returns nonzero in that block only.
+ */
+__device__ int epx_notify_scan_gather(const epx__cuda_shape_t &s, const epx__cuda_notify_args_t &a,
+                                      int32_t *expert_counts, int32_t *running, int *last,
+                                      int *any_bad)
+{
+    if (a.topk_idx != NULL)
+        for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
+            if (expert_counts[i] != 0)
+                atomicAdd(&s.local->scan_experts[i], expert_counts[i]);
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *last = atomicAdd(&s.local->scan_done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!*last)
+        return 0;
+    __threadfence();
+    if (a.topk_idx != NULL) {
+        for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
+            expert_counts[i] = atomicExch(&s.local->scan_experts[i], 0);
+    }
+    const volatile int32_t *total = s.local->scan_tiles[gridDim.x - 1].prefix;
+    for (int w = threadIdx.x; w < s.world_size; w += blockDim.x)
+        running[w] = total[w];
+    if (threadIdx.x == 0) {
+        s.local->scan_done = 0;
+        s.local->scan_ticket = 0;
+        const unsigned long long entry = atomicExch(&s.local->scan_first_bad, ~0ull);
+        if (entry != ~0ull) {
+            const int64_t k = s.num_topk, index = (int64_t)entry;
+            epx_record_failure(s, EPX_CUDA_FAIL_EXPERT_ID, EPX_CUDA_STAGE_NOTIFY, s.rank, s.rank,
+                               a.topk_idx[(index / k) * a.topk_stride + index % k], index, 0);
+            *any_bad = 1;
+        }
+    }
+    __syncthreads();
+    return 1;
+}
+
 __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     epx_notify_kernel(epx__cuda_shape_t s, epx__cuda_notify_args_t a)
 {
     extern __shared__ int32_t expert_counts[]; /* [E] */
     __shared__ int32_t warp_totals[32 * EPX_CUDA_MAX_RANKS];
     __shared__ int32_t running[EPX_CUDA_MAX_RANKS];
-    __shared__ int any_bad;
+    __shared__ int32_t tile_counts[EPX_CUDA_MAX_RANKS];
+    __shared__ int any_bad, tile, last;
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     const int parity = (int)(seq & 1u);
-    /* A buffer that already failed sends nothing: its peers were told by the abort word. */
+    /* A buffer that already failed sends nothing: its peers were told by the abort word.
+     * Every block sees the same here: nothing in this kernel records a failure before
+     * the last block runs alone. */
     if (epx_failed(s))
         return;
 
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         any_bad = 0;
+        tile = (int)atomicAdd(&s.local->scan_ticket, 1u);
+    }
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         expert_counts[i] = 0;
     for (int r = threadIdx.x; r < EPX_CUDA_MAX_RANKS; r += blockDim.x)
         running[r] = 0;
     __syncthreads();
     const int fresh = a.topk_idx != NULL || a.is_token_in_rank != NULL;
-    if (a.topk_idx == NULL && a.is_token_in_rank != NULL) {
-        for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
-            expert_counts[i] = a.num_tokens_per_expert[i];
-        __syncthreads();
-    }
     if (fresh) {
-        int bad = 0;
-        epx_notify_scan(s, a, expert_counts, warp_totals, running, &bad);
-        if (bad)
-            any_bad = 1;
-        __syncthreads();
+        /* Tiles of whole rounds, one a block (the launcher sizes the grid). */
+        const int64_t T = a.num_tokens, threads = blockDim.x;
+        const int64_t rounds = (T + threads - 1) / threads;
+        const int64_t per = (rounds + gridDim.x - 1) / gridDim.x * threads;
+        const int64_t first = min(T, (int64_t)tile * per), end = min(T, first + per);
+        epx_notify_scan_tile(s, a, expert_counts, warp_totals, running, tile_counts, tile, first,
+                             end, seq);
+        if (!epx_notify_scan_gather(s, a, expert_counts, running, &last, &any_bad))
+            return;
+        if (a.topk_idx == NULL) {
+            for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
+                expert_counts[i] = a.num_tokens_per_expert[i];
+            __syncthreads();
+        }
+    } else if (threadIdx.x == 0) {
+        s.local->scan_ticket = 0; /* one block */
     }
     /* Bad input is still exchanged, as a status: every rank then fails the same call. */
     epx_notify_send(s, a, expert_counts, running, any_bad, seq);
@@ -222,6 +390,18 @@ extern "C" cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
                                                cudaStream_t stream)
 {
     size_t smem = (size_t)shape->num_experts * sizeof(int32_t);
-    epx_notify_kernel<<<1, EPX_CUDA_NOTIFY_THREADS, smem, stream>>>(*shape, *args);
+    /* A fresh scan: a block per round of tokens, within the SM budget and the tiles. */
+    int64_t blocks = 1;
+    if (args->topk_idx != NULL || args->is_token_in_rank != NULL) {
+        int64_t rounds = (args->num_tokens + EPX_CUDA_NOTIFY_THREADS - 1) / EPX_CUDA_NOTIFY_THREADS;
+        int64_t most = args->max_blocks < EPX_CUDA_SCAN_TILES ? args->max_blocks : EPX_CUDA_SCAN_TILES;
+        if (most < 1)
+            most = 1;
+        if (rounds > 0) {
+            int64_t per = (rounds + most - 1) / most; /* rounds a tile */
+            blocks = (rounds + per - 1) / per;        /* as the kernel splits them */
+        }
+    }
+    epx_notify_kernel<<<(int)blocks, EPX_CUDA_NOTIFY_THREADS, smem, stream>>>(*shape, *args);
     return cudaGetLastError();
 }

@@ -13,10 +13,15 @@
  * allows), so one memory latency covers them; ids past that are read one by one. */
 #define EPX_MASK_IDS 8
 
-/* Destination rank bit mask of one token; bad ids are recorded and skipped. */
+/*
+ * Destination rank bit mask of one token, its distinct experts counted in expert_counts
+ * (unless NULL); bad ids are skipped and recorded as the failure, or, with first_bad,
+ * only their lowest entry index kept there (atomicMin) for the caller to record later.
+ */
 __device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
                                                    const int64_t *row, int64_t token,
-                                                   int32_t *expert_counts, int stage, int *bad)
+                                                   int32_t *expert_counts, int stage, int *bad,
+                                                   unsigned long long *first_bad = NULL)
 {
     const int K = s.num_topk;
     int64_t ids[EPX_MASK_IDS];
@@ -45,12 +50,15 @@ __device__ __forceinline__ uint64_t epx_token_mask(const epx__cuda_shape_t &s,
         if (e == -1)
             return;
         if (e < -1 || e >= s.num_experts) {
-            epx_record_failure(s, EPX_CUDA_FAIL_EXPERT_ID, stage, s.rank, s.rank, e,
-                               token * K + k, 0);
+            if (first_bad != NULL)
+                atomicMin(first_bad, (unsigned long long)(token * K + k));
+            else
+                epx_record_failure(s, EPX_CUDA_FAIL_EXPERT_ID, stage, s.rank, s.rank, e,
+                                   token * K + k, 0);
             *bad = 1;
             return;
         }
-        if (!repeated)
+        if (!repeated && expert_counts != NULL)
             atomicAdd(&expert_counts[e], 1);
         mask |= 1ull << ((int)e / s.num_local_experts);
     };
@@ -143,7 +151,26 @@ __device__ __forceinline__ void epx_scan_round(uint64_t mask, int width, int32_t
     __syncthreads();
 }
 
-/* Step 1 of the notify kernel: ordinals into send_row, counts into shared memory. */
+/* Token t's destination ranks in a fresh count exchange: from its top-k ids, or the
+ * caller's is_token_in_rank bits (whose per-expert counts the caller gives). */
+static __device__ __forceinline__ uint64_t epx_notify_mask(const epx__cuda_shape_t &s,
+                                                           const epx__cuda_notify_args_t &a,
+                                                           int64_t t, int32_t *expert_counts,
+                                                           int *bad,
+                                                           unsigned long long *first_bad = NULL)
+{
+    if (a.topk_idx != NULL)
+        return epx_token_mask(s, a.topk_idx + t * a.topk_stride, t, expert_counts,
+                              EPX_CUDA_STAGE_NOTIFY, bad, first_bad);
+    const uint8_t *bits = a.is_token_in_rank + t * a.in_rank_stride;
+    uint64_t mask = 0;
+    for (int r = 0; r < s.world_size; r++)
+        mask |= (uint64_t)(bits[r] != 0) << r;
+    return mask;
+}
+
+/* Step 1 of the notify kernel in one block: ordinals into send_row, counts into shared
+ * memory (the internode count exchange; layout.cu splits it over blocks instead). */
 static __device__ void epx_notify_scan(const epx__cuda_shape_t &s, const epx__cuda_notify_args_t &a,
                                 int32_t *expert_counts, int32_t *warp_totals,
                                 int32_t *running, int *bad)
@@ -151,16 +178,7 @@ static __device__ void epx_notify_scan(const epx__cuda_shape_t &s, const epx__cu
     const int R = s.world_size;
     for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
         int64_t t = first + threadIdx.x;
-        uint64_t mask = 0;
-        if (t < a.num_tokens && a.topk_idx != NULL) {
-            mask = epx_token_mask(s, a.topk_idx + t * a.topk_stride, t, expert_counts,
-                                  EPX_CUDA_STAGE_NOTIFY, bad);
-        } else if (t < a.num_tokens) {
-            /* Routed by the layout: the caller's bits (the counts were loaded before). */
-            const uint8_t *bits = a.is_token_in_rank + t * a.in_rank_stride;
-            for (int r = 0; r < R; r++)
-                mask |= (uint64_t)(bits[r] != 0) << r;
-        }
+        uint64_t mask = t < a.num_tokens ? epx_notify_mask(s, a, t, expert_counts, bad) : 0;
         epx_scan_round(mask, R, t < a.num_tokens ? a.send_row + t * R : NULL, warp_totals,
                        running);
     }
