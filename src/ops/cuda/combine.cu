@@ -56,6 +56,8 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     }
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);
+    /* Only now may the pull kernel's blocks take their SMs (no SM held while waiting). */
+    epx_let_next_start();
 }
 
 /*
@@ -96,6 +98,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     __shared__ const float *src_weights[EPX_COMBINE_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
+    /* Launched early (epx_launch_early): the ready exchange first. */
+    epx_wait_previous();
     const int R = s.world_size, K = s.num_topk, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     /* The ready exchange failed on this rank (or an earlier operation did). */
@@ -177,12 +181,10 @@ extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
      * row in flight at once: 10% faster at 8 blocks, 1-3% slower at 16). The bias-free
      * forms skip the bias loads and their registers (2-6% faster than the bias-capable
      * one). Each uses at most 128 registers with no spills. */
-    const dim3 grid(args->num_blocks), block(EPX_CUDA_THREADS);
-    if (args->bias[0] != NULL || args->bias[1] != NULL)
-        epx_combine_kernel<2, 8, true><<<grid, block, 0, stream>>>(*shape, *args);
-    else if (args->num_blocks <= 8)
-        epx_combine_kernel<3, 6, false><<<grid, block, 0, stream>>>(*shape, *args);
-    else
-        epx_combine_kernel<2, 8, false><<<grid, block, 0, stream>>>(*shape, *args);
-    return cudaGetLastError();
+    void (*kernel)(epx__cuda_shape_t, epx__cuda_combine_args_t) =
+        args->bias[0] != NULL || args->bias[1] != NULL ? epx_combine_kernel<2, 8, true>
+        : args->num_blocks <= 8                       ? epx_combine_kernel<3, 6, false>
+                                                      : epx_combine_kernel<2, 8, false>;
+    return epx_launch_early(kernel, dim3(args->num_blocks), dim3(EPX_CUDA_THREADS), 0, stream,
+                            *shape, *args);
 }

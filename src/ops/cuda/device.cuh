@@ -277,6 +277,44 @@ __device__ __forceinline__ uint32_t epx_pack_bf16(float lo, float hi)
     return epx_float_to_bf16(lo) | (epx_float_to_bf16(hi) << 16);
 }
 
+/* ---------------------------------------------------------------- kernel boundaries */
+
+/*
+ * Programmatic dependent launch. A kernel launched with epx_launch_early may start while
+ * the kernel before it on the stream still runs, once every block of that one has called
+ * epx_let_next_start (or ended); before it reads anything the earlier kernel wrote, it
+ * calls epx_wait_previous, which returns once that kernel has ended and its writes are
+ * visible. The earlier kernels let the next start only after their waits on peers, so
+ * no SM is held while a peer is awaited; what it saves is the launch at the boundary
+ * (docs/PERFORMANCE.md). Without the attribute the wait returns at once.
+ */
+__device__ __forceinline__ void epx_let_next_start(void)
+{
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ void epx_wait_previous(void)
+{
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+template <typename... Params, typename... Args>
+static cudaError_t epx_launch_early(void (*kernel)(Params...), dim3 grid, dim3 block,
+                                    size_t smem, cudaStream_t stream, Args... args)
+{
+    cudaLaunchAttribute early;
+    early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    early.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &early;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
 /* ---------------------------------------------------------------- warps */
 
 __device__ __forceinline__ int epx_lane(void)

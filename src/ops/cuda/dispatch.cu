@@ -65,6 +65,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest_row[EPX_DISPATCH_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
+    /* Launched early (epx_launch_early): the count exchange's results first. */
+    epx_wait_previous();
     const int R = s.world_size, L = s.num_local_experts, K = s.num_topk;
     const uint64_t seq = epx_op_seq(s);
     /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
@@ -198,9 +200,9 @@ extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
      * blocks a rank the pipelined form (4 vectors a lane, the next chunk's loads in flight
      * during the stores) is 15% faster for bf16 and 1-8% for fp8; at 16 the unpipelined
      * 8-deep form is as fast (bf16) or a few percent faster (fp8). */
-    if (args->num_blocks <= EPX_DISPATCH_PIPELINED_MAX_BLOCKS)
-        epx_dispatch_kernel<4, 1><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
-    else
-        epx_dispatch_kernel<8, 0><<<args->num_blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
-    return cudaGetLastError();
+    return epx_launch_early(args->num_blocks <= EPX_DISPATCH_PIPELINED_MAX_BLOCKS
+                                ? epx_dispatch_kernel<4, 1>
+                                : epx_dispatch_kernel<8, 0>,
+                            dim3(args->num_blocks), dim3(EPX_CUDA_THREADS), 0, stream, *shape,
+                            *args);
 }

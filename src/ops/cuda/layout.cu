@@ -347,6 +347,9 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->count_flag[parity], seq, EPX_CUDA_STAGE_NOTIFY, r);
     __syncthreads();
+    /* The data kernel's blocks may take their SMs while the results below are written
+     * (after the waits: no SM held while a peer is awaited). */
+    epx_let_next_start();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         int status = *reinterpret_cast<volatile int32_t *>(&epx_slot(s, me, r)->status[parity]);
         if (status != 0 && r != me && !epx_failed(s))
