@@ -101,6 +101,46 @@ static void check_refusals(void)
     CHECK_ERROR_MENTIONS("experts");
 }
 
+/*
+ * A fresh count scan's tiles (layout.cu): within the SM budget and EPX_CUDA_SCAN_TILES, a
+ * block per round while the budget allows, whole rounds a tile, every token in exactly
+ * one tile, no tile empty.
+ */
+static void check_scan_tiles(int64_t tokens, int64_t budget, int64_t want_blocks)
+{
+    const int64_t blocks = epx__cuda_scan_blocks(tokens, budget);
+    if (want_blocks > 0)
+        CHECK_EQ_INT(blocks, want_blocks);
+    CHECK(blocks >= 1);
+    CHECK(blocks <= (budget > 1 ? budget : 1) && blocks <= EPX_CUDA_SCAN_TILES);
+    int64_t next = 0;
+    for (int64_t tile = 0; tile < blocks; tile++) {
+        int64_t first = -1, end = -1;
+        epx__cuda_scan_tile(tokens, blocks, tile, &first, &end);
+        CHECK_EQ_INT(first, next);
+        CHECK(end > first || tokens == 0);
+        CHECK(first % EPX_CUDA_NOTIFY_THREADS == 0);
+        next = end;
+    }
+    CHECK_EQ_INT(next, tokens);
+}
+
+static void check_scan(void)
+{
+    check_scan_tiles(4096, 16, 4);  /* the standard case: a block per round */
+    check_scan_tiles(4096, 8, 4);
+    check_scan_tiles(4096, 2, 2);   /* two rounds a block */
+    check_scan_tiles(1000, 16, 1);  /* one partial round */
+    check_scan_tiles(0, 16, 1);     /* no tokens: one block, no tile of tokens */
+    check_scan_tiles(1, 0, 1);      /* a budget below one still runs one block */
+    check_scan_tiles(16384, 8, 8);
+    check_scan_tiles(5 * 1024, 4, 3); /* 2 + 2 + 1 rounds: no empty fourth block */
+    check_scan_tiles(200 * 1024 + 1, 132, 51); /* the tile cap: 4 rounds a block */
+    for (int64_t tokens = 0; tokens <= 40 * 1024; tokens += 509)
+        for (int64_t budget = 1; budget <= 70; budget += 3)
+            check_scan_tiles(tokens, budget, 0);
+}
+
 int main(void)
 {
     /* Without a driver or GPU this is 0, never a failure or a crash. */
@@ -111,6 +151,7 @@ int main(void)
     check_plan(3, 100, 136, 9, 2); /* hidden not a multiple of 128: no scales region */
     check_plan(EPX_CUDA_MAX_RANKS, 17, 384, EPX_CUDA_MAX_RANKS * 2, 3);
     check_refusals();
+    check_scan();
     printf("test_cuda_plan: ok (%d CUDA device%s visible)\n", devices, devices == 1 ? "" : "s");
     return 0;
 }

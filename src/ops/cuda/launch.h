@@ -350,6 +350,33 @@ typedef struct {
 cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
                                     const epx__cuda_notify_args_t *args, cudaStream_t stream);
 
+/*
+ * A fresh count scan's grid: a block per round of EPX_CUDA_NOTIFY_THREADS tokens, at most
+ * max_blocks (the SM budget) and EPX_CUDA_SCAN_TILES, each block then taking the same
+ * number of whole rounds; so many blocks that none is left without tokens. At least one.
+ */
+EPX_CUDA_HOST_DEVICE int64_t epx__cuda_scan_blocks(int64_t num_tokens, int64_t max_blocks)
+{
+    const int64_t rounds = (num_tokens + EPX_CUDA_NOTIFY_THREADS - 1) / EPX_CUDA_NOTIFY_THREADS;
+    int64_t most = max_blocks < EPX_CUDA_SCAN_TILES ? max_blocks : EPX_CUDA_SCAN_TILES;
+    if (most < 1)
+        most = 1;
+    if (rounds < 1)
+        return 1;
+    const int64_t per = (rounds + most - 1) / most;
+    return (rounds + per - 1) / per;
+}
+
+/* The tokens [*first, *end) of tile `tile` of a scan over `blocks` blocks. */
+EPX_CUDA_HOST_DEVICE void epx__cuda_scan_tile(int64_t num_tokens, int64_t blocks, int64_t tile,
+                                              int64_t *first, int64_t *end)
+{
+    const int64_t rounds = (num_tokens + EPX_CUDA_NOTIFY_THREADS - 1) / EPX_CUDA_NOTIFY_THREADS;
+    const int64_t per = (rounds + blocks - 1) / blocks * EPX_CUDA_NOTIFY_THREADS;
+    *first = tile * per < num_tokens ? tile * per : num_tokens;
+    *end = *first + per < num_tokens ? *first + per : num_tokens;
+}
+
 /* ---------------------------------------------------------------- dispatch */
 
 typedef struct {

@@ -324,11 +324,9 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     __syncthreads();
     const int fresh = a.topk_idx != NULL || a.is_token_in_rank != NULL;
     if (fresh) {
-        /* Tiles of whole rounds, one a block (the launcher sizes the grid). */
-        const int64_t T = a.num_tokens, threads = blockDim.x;
-        const int64_t rounds = (T + threads - 1) / threads;
-        const int64_t per = (rounds + gridDim.x - 1) / gridDim.x * threads;
-        const int64_t first = min(T, (int64_t)tile * per), end = min(T, first + per);
+        /* Tiles of whole rounds, one a block (epx__cuda_scan_blocks sized the grid). */
+        int64_t first = 0, end = 0;
+        epx__cuda_scan_tile(a.num_tokens, gridDim.x, tile, &first, &end);
         epx_notify_scan_tile(s, a, expert_counts, warp_totals, running, tile_counts, tile, first,
                              end, seq);
         if (!epx_notify_scan_gather(s, a, expert_counts, running, &last, &any_bad))
@@ -394,17 +392,8 @@ extern "C" cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
 {
     size_t smem = (size_t)shape->num_experts * sizeof(int32_t);
     /* A fresh scan: a block per round of tokens, within the SM budget and the tiles. */
-    int64_t blocks = 1;
-    if (args->topk_idx != NULL || args->is_token_in_rank != NULL) {
-        int64_t rounds = (args->num_tokens + EPX_CUDA_NOTIFY_THREADS - 1) / EPX_CUDA_NOTIFY_THREADS;
-        int64_t most = args->max_blocks < EPX_CUDA_SCAN_TILES ? args->max_blocks : EPX_CUDA_SCAN_TILES;
-        if (most < 1)
-            most = 1;
-        if (rounds > 0) {
-            int64_t per = (rounds + most - 1) / most; /* rounds a tile */
-            blocks = (rounds + per - 1) / per;        /* as the kernel splits them */
-        }
-    }
+    const int fresh = args->topk_idx != NULL || args->is_token_in_rank != NULL;
+    const int64_t blocks = fresh ? epx__cuda_scan_blocks(args->num_tokens, args->max_blocks) : 1;
     epx_notify_kernel<<<(int)blocks, EPX_CUDA_NOTIFY_THREADS, smem, stream>>>(*shape, *args);
     return cudaGetLastError();
 }
