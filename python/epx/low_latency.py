@@ -239,7 +239,8 @@ class LowLatencyMixin:
         out: [num_tokens, hidden] bf16 to write into (default: a new tensor).
 
         Returns (combined_x, event, hook); out[t] = bf16(sum over j of w[t, j] *
-        y(t, idx[t, j])) in fp32, -1 and masked experts skipped.
+        y(t, idx[t, j])) in fp32 and j order, each entry added with one fused
+        multiply-add, -1 and masked experts skipped.
         """
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt is not supported by "
