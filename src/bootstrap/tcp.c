@@ -9,7 +9,14 @@
  *
  * Allgather: each non-root rank sends its block to the root in a frame; the root
  * collects all blocks at once with poll(), then sends the whole array back to each.
- * A barrier is an allgather of one byte.
+ * A barrier is an allgather of one word a rank. Rank 0 answers the ranks one after the
+ * other (a few microseconds a send), so the first would leave the barrier tens of
+ * microseconds before the last; with EPX_BARRIER_ALIGN_US set, rank 0 also puts into
+ * each word a time (CLOCK_MONOTONIC) at which the ranks on its host leave together:
+ * after its sends, by its estimate from the previous barrier (the sends' duration, and
+ * how late the ranks said that barrier's answer reached them), never more than the
+ * setting later. Ranks elsewhere (another IP address at each end of the connection)
+ * leave at once.
  *
  * Failures: the root is the only process that sees every rank, so when it fails (a
  * rank closed its connection, a rank did not arrive in time) it sends every other rank
@@ -40,6 +47,10 @@
 #define MAX_REPORT_BYTES 1024
 /* How long the root tries to deliver a failure report to each rank. */
 #define REPORT_WAIT_MS 200
+/* Aligned barrier release: room for a rank's wake-up beyond the estimate, and the
+ * longest a rank ever waits for a release time (a time further off is not its clock's). */
+#define BARRIER_MARGIN_NS 2000
+#define BARRIER_MAX_WAIT_NS 10000000
 
 typedef struct {
     uint32_t magic;
@@ -68,7 +79,14 @@ typedef struct {
     char root_address[INET_ADDRSTRLEN + 8]; /* "a.b.c.d:port" for messages */
     int root_fd;     /* non-root: the connection to the root */
     int *peer_fds;   /* root: [world_size], the connection to each rank (-1 = none) */
-    unsigned char *barrier_scratch; /* [world_size] */
+    uint64_t *barrier_words; /* [world_size]: a barrier's exchange */
+    /* Root: the barrier's aligned release (EPX_BARRIER_ALIGN_US). */
+    int64_t align_ns;        /* longest a barrier may hold a rank; 0 = off */
+    unsigned char *same_host; /* [world_size]: rank r's connection is from this host */
+    int64_t send_ns;         /* last barrier: its answer's sends, per rank */
+    int64_t late_ns;         /* recent barriers: the latest rank's lateness past the time */
+    /* Non-root: how late the last barrier's answer was past its time (0: in time). */
+    int64_t my_late_ns;
     /* Root's per-rank state for one allgather, allocated once (world_size entries;
      * on the heap, since a large world would not fit on the stack). */
     incoming_t *incoming;
@@ -134,6 +152,19 @@ static void refuse(int fd, const char *detail)
 {
     send_report(fd, EPX_ERR_BOOTSTRAP, detail, epx__deadline_after_ms(REPORT_WAIT_MS));
     close(fd);
+}
+
+/* Both ends of a connection have one IPv4 address: the peer runs on this host (its
+ * CLOCK_MONOTONIC is ours). */
+static int connection_is_local(int fd)
+{
+    struct sockaddr_in mine, theirs;
+    socklen_t mine_size = sizeof(mine), theirs_size = sizeof(theirs);
+    if (getsockname(fd, (struct sockaddr *)&mine, &mine_size) != 0 ||
+        getpeername(fd, (struct sockaddr *)&theirs, &theirs_size) != 0)
+        return 0;
+    return mine.sin_family == AF_INET && theirs.sin_family == AF_INET &&
+           mine.sin_addr.s_addr == theirs.sin_addr.s_addr;
 }
 
 static epx_status_t root_join(epx__bootstrap_t *bootstrap, const epx__unique_id_fields_t *id)
@@ -208,6 +239,7 @@ static epx_status_t root_join(epx__bootstrap_t *bootstrap, const epx__unique_id_
                      (int)hello.rank);
         } else {
             tcp->peer_fds[hello.rank] = fd;
+            tcp->same_host[hello.rank] = (unsigned char)connection_is_local(fd);
             joined++;
             continue;
         }
@@ -273,8 +305,36 @@ static int root_read_block(int fd, int r, incoming_t *in, char *block, size_t by
     return in->received == sizeof(frame_t) + bytes;
 }
 
+/*
+ * The barrier's answer (words[r] for rank r, words[0] the root's): in each member's
+ * word, how late it was past the last barrier's time, replaced by the time at which
+ * the ranks on this host leave this one (0: at once). The time lies after the sends,
+ * as long as the last barrier's took, and after the ranks' recent lateness (twice it,
+ * plus 2 us: wake-ups vary), within align_ns of now. Without an estimate yet (the
+ * first barrier) the ranks leave at once.
+ */
+static void barrier_release_times(tcp_t *tcp, int world_size, void *recv)
+{
+    uint64_t *words = recv;
+    /* The latest rank's lateness, kept as a maximum that decays by a quarter a barrier
+     * (wake-ups vary from one barrier to the next). */
+    int64_t late = tcp->late_ns - tcp->late_ns / 4;
+    for (int r = 1; r < world_size; r++)
+        if (tcp->same_host[r] && (int64_t)words[r] > late)
+            late = (int64_t)words[r];
+    tcp->late_ns = late < tcp->align_ns ? late : tcp->align_ns;
+    int64_t at = 0;
+    if (tcp->align_ns > 0 && tcp->send_ns > 0) {
+        int64_t hold = tcp->send_ns * (world_size - 1) + 2 * late + BARRIER_MARGIN_NS;
+        at = epx__now_ns() + (hold < tcp->align_ns ? hold : tcp->align_ns);
+    }
+    words[0] = (uint64_t)at;
+    for (int r = 1; r < world_size; r++)
+        words[r] = tcp->same_host[r] ? (uint64_t)at : 0;
+}
+
 static epx_status_t root_allgather(epx__bootstrap_t *bootstrap, const void *send, void *recv,
-                                   size_t bytes, const char *stage)
+                                   size_t bytes, const char *stage, int barrier)
 {
     tcp_t *tcp = bootstrap->impl;
     int world_size = bootstrap->world_size;
@@ -333,6 +393,9 @@ static epx_status_t root_allgather(epx__bootstrap_t *bootstrap, const void *send
         }
     }
 
+    if (barrier)
+        barrier_release_times(tcp, world_size, recv);
+    const int64_t sends_started = epx__now_ns();
     size_t total = (size_t)world_size * bytes;
     frame_t frame = {.magic = FRAME_MAGIC, .status = 0, .bytes = total};
     for (int r = 1; r < world_size; r++) {
@@ -356,6 +419,8 @@ static epx_status_t root_allgather(epx__bootstrap_t *bootstrap, const void *send
         return root_fail(bootstrap, result == EPX__IO_CLOSED ? EPX_ERR_REMOTE : EPX_ERR_SYSTEM,
                          detail);
     }
+    if (barrier && world_size > 1)
+        tcp->send_ns = (epx__now_ns() - sends_started) / (world_size - 1);
     return EPX_SUCCESS;
 }
 
@@ -497,15 +562,39 @@ static epx_status_t tcp_allgather(epx__bootstrap_t *bootstrap, const void *send,
         return EPX_SUCCESS;
     }
     if (bootstrap->rank == 0)
-        return root_allgather(bootstrap, send, recv, bytes, stage);
+        return root_allgather(bootstrap, send, recv, bytes, stage, 0);
     return member_allgather(bootstrap, send, recv, bytes, stage);
+}
+
+/* Until `at` (CLOCK_MONOTONIC ns; 0 or past: return at once); how late `now` was. */
+static int64_t wait_until(int64_t at)
+{
+    int64_t now = epx__now_ns();
+    if (at <= 0 || at - now > BARRIER_MAX_WAIT_NS)
+        return 0;
+    if (now >= at)
+        return now - at;
+    while (epx__now_ns() < at) {
+    }
+    return 0;
 }
 
 static epx_status_t tcp_barrier(epx__bootstrap_t *bootstrap)
 {
     tcp_t *tcp = bootstrap->impl;
-    unsigned char mine = 1;
-    return tcp_allgather(bootstrap, &mine, tcp->barrier_scratch, 1, "barrier");
+    uint64_t *words = tcp->barrier_words;
+    if (bootstrap->world_size == 1)
+        return EPX_SUCCESS;
+    if (bootstrap->rank == 0) {
+        uint64_t none = 0;
+        EPX_CHECK(root_allgather(bootstrap, &none, words, sizeof(uint64_t), "barrier", 1));
+        (void)wait_until((int64_t)words[0]);
+        return EPX_SUCCESS;
+    }
+    uint64_t late = (uint64_t)tcp->my_late_ns;
+    EPX_CHECK(member_allgather(bootstrap, &late, words, sizeof(uint64_t), "barrier"));
+    tcp->my_late_ns = wait_until((int64_t)words[bootstrap->rank]);
+    return EPX_SUCCESS;
 }
 
 static void tcp_free(tcp_t *tcp, int world_size)
@@ -519,7 +608,8 @@ static void tcp_free(tcp_t *tcp, int world_size)
             if (tcp->peer_fds[r] >= 0)
                 close(tcp->peer_fds[r]);
     free(tcp->peer_fds);
-    free(tcp->barrier_scratch);
+    free(tcp->barrier_words);
+    free(tcp->same_host);
     free(tcp->incoming);
     free(tcp->pending);
     free(tcp->polls);
@@ -564,17 +654,19 @@ epx_status_t epx__bootstrap_create_tcp(const epx_unique_id_t *id, int rank, int 
     tcp->grace_ms = timeout_ms < 2000 ? timeout_ms : 2000;
     tcp->root_fd = -1;
     tcp->peer_fds = malloc(sizeof(int) * (size_t)world_size);
-    tcp->barrier_scratch = calloc((size_t)world_size, 1);
+    tcp->barrier_words = calloc((size_t)world_size, sizeof(uint64_t));
     int root_state_ok = 1;
     if (rank == 0) {
+        tcp->align_ns = epx__param_int(EPX_PARAM_BARRIER_ALIGN_US) * 1000;
+        tcp->same_host = calloc((size_t)world_size, 1);
         tcp->incoming = calloc((size_t)world_size, sizeof(incoming_t));
         tcp->pending = calloc((size_t)world_size, 1);
         tcp->polls = calloc((size_t)world_size, sizeof(struct pollfd));
         tcp->polled_rank = calloc((size_t)world_size, sizeof(int));
         root_state_ok = tcp->incoming != NULL && tcp->pending != NULL && tcp->polls != NULL &&
-                        tcp->polled_rank != NULL;
+                        tcp->polled_rank != NULL && tcp->same_host != NULL;
     }
-    if (tcp->peer_fds == NULL || tcp->barrier_scratch == NULL || !root_state_ok) {
+    if (tcp->peer_fds == NULL || tcp->barrier_words == NULL || !root_state_ok) {
         tcp_free(tcp, 0);
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "bootstrap: out of memory");
     }

@@ -194,6 +194,61 @@ static void test_rank_late_to_allgather(void)
         TEST_FAIL("ranks did not time out naming rank 2");
 }
 
+static int compare_int64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/*
+ * A barrier holds every rank until the last has arrived, whoever is last, also with the
+ * aligned release (this binary runs again under EPX_BARRIER_ALIGN_US, tests/CMakeLists.txt):
+ * each round one rank arrives 3 ms after the others, and no rank may leave before it
+ * arrived (the ranks share this machine's clock). Prints how far apart the ranks left
+ * (informational: with more ranks than cores, as in CI, it says little).
+ */
+static int body_barrier_holds(int rank, int world_size, void *arg)
+{
+    (void)arg;
+    epx_group_t group = create_group(rank, world_size, LONG_TIMEOUT_MS);
+    int64_t spreads[10];
+    for (int round = 0; round < 12; round++) {
+        if (rank == round % world_size)
+            usleep(3000);
+        int64_t arrived = epx__now_ns();
+        CHECK_OK(epx_group_barrier(group));
+        int64_t left = epx__now_ns();
+        int64_t mine[2] = {arrived, left}, all[2 * 8];
+        CHECK_OK(epx__bootstrap_allgather(group->bootstrap, mine, all, sizeof(mine)));
+        int64_t first_left = INT64_MAX, last_left = 0;
+        for (int r = 0; r < world_size; r++) {
+            if (all[2 * r] > left)
+                TEST_FAIL("round %d: rank %d left the barrier %.3f ms before rank %d arrived",
+                          round, rank, (double)(all[2 * r] - left) / 1e6, r);
+            first_left = all[2 * r + 1] < first_left ? all[2 * r + 1] : first_left;
+            last_left = all[2 * r + 1] > last_left ? all[2 * r + 1] : last_left;
+        }
+        if (round >= 2)
+            spreads[round - 2] = last_left - first_left;
+    }
+    if (rank == 0) {
+        qsort(spreads, 10, sizeof(spreads[0]), compare_int64);
+        printf("     barrier: leaving times spread %.1f us (median of rounds 2-11; max %.1f), "
+               "EPX_BARRIER_ALIGN_US=%s\n",
+               (double)(spreads[4] + spreads[5]) / 2e3, (double)spreads[9] / 1e3,
+               getenv("EPX_BARRIER_ALIGN_US") ? getenv("EPX_BARRIER_ALIGN_US") : "0");
+    }
+    CHECK_OK(epx_group_destroy(group));
+    return 0;
+}
+
+static void test_barrier_holds(void)
+{
+    g_id = fresh_id();
+    if (run_ranks("barrier holds", 4, 4, body_barrier_holds, NULL) != 0)
+        TEST_FAIL("a rank left a barrier early");
+}
+
 /* ---------------------------------------------------------------- dead ranks */
 
 static int body_rank_exits(int rank, int world_size, void *arg)
@@ -424,6 +479,7 @@ int main(void)
         {"rank_that_never_joins", test_rank_that_never_joins},
         {"root_that_never_comes", test_root_that_never_comes},
         {"rank_late_to_allgather", test_rank_late_to_allgather},
+        {"barrier_holds", test_barrier_holds},
         {"rank_that_exits", test_rank_that_exits},
         {"wrong_nonce_is_refused", test_wrong_nonce_is_refused},
         {"bad_joins_are_refused", test_bad_joins_are_refused},
