@@ -8,6 +8,9 @@ On the CUDA backend the tensors are torch tensors on the GPU (python/tests/run_g
 the masked-entry counts are -1 there (the GPU does not sync with the host to count them).
 """
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import pytest
 
@@ -91,13 +94,45 @@ class LowLatencyCase:
 
 
 def fma32(w, y, acc):
-    """fmaf(w, y, acc) elementwise, as the library's combine adds an entry: w fp32, y bf16,
-    so the product is exact in fp64 (24 + 8 significant bits) and the fp64 sum is exact
-    unless it spans over 53 bits; only then is it rounded twice, which can differ from
-    fmaf when the fp64 sum lands exactly halfway between two fp32 values (bit-exact
-    agreement with the library on the tests' inputs shows it does not happen there)."""
-    exact = np.float64(w) * y.astype(np.float64) + acc.astype(np.float64)
-    return exact.astype(F32)
+    """fmaf(w, y, acc) elementwise (one rounding), as the library's combine adds an entry:
+    w fp32, y bf16, acc fp32. The product is exact in fp64 (24 + 8 significant bits); the
+    fp64 sum s may be rounded, and its exact error e comes from TwoSum. Rounding s to
+    fp32 then gives fmaf's result except where s lies exactly halfway between two fp32
+    values and e is not zero: there the exact sum is on e's side, so s moves one fp64 step
+    that way first (no other fp32 rounding boundary lies between s and the exact sum)."""
+    p = np.float64(w) * y.astype(np.float64)
+    a = np.asarray(acc, dtype=np.float64)
+    s = a + p
+    b = s - a
+    e = (a - (s - b)) + (p - b)
+    r = s.astype(F32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, F32(np.inf), F32(-np.inf))).astype(np.float64)
+    halfway = (s != r64) & (s == (r64 + other) / 2) & (e != 0)
+    if np.any(halfway):
+        s = np.where(halfway, np.nextafter(s, np.where(e > 0, np.inf, -np.inf)), s)
+        r = s.astype(F32)
+    return r
+
+
+def test_fma32_is_fmaf():
+    """The model's fma32 against the C library's fmaf, bit for bit: random entries, and
+    sums that fall exactly halfway between two fp32 values in fp64."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.fmaf.restype = ctypes.c_float
+    libm.fmaf.argtypes = [ctypes.c_float] * 3
+    rng = np.random.default_rng(7)
+    w = rng.uniform(0.01, 1.0, 4000).astype(F32)
+    y = (rng.uniform(-1, 1, 4000) * 10.0 ** rng.uniform(-6, 3, 4000)).astype(F32).astype(BF16)
+    acc = (rng.uniform(-1, 1, 4000) * 10.0 ** rng.uniform(-6, 3, 4000)).astype(F32)
+    # Ties in fp64 that fmaf resolves by the bits beyond: acc = 1, w * y just under 2^-24.
+    w[:3] = [F32(10475530 * 2.0 ** -30), F32(0.5), F32(1.0)]
+    y[:3] = np.array([205 * 2.0 ** -25, 2.0 ** -24 + 2.0 ** -32, -(2.0 ** -25)], F32).astype(BF16)
+    acc[:3] = [F32(1.0), F32(1.0), F32(1.0)]
+    got = fma32(w, y, acc)
+    want = np.array([libm.fmaf(float(a), float(b), float(c))
+                     for a, b, c in zip(w, y.astype(F32), acc)], F32)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def cast_fp8(x, round_scale):

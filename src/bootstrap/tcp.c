@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "bootstrap/bootstrap_impl.h"
@@ -51,6 +52,8 @@
  * longest a rank ever waits for a release time (a time further off is not its clock's). */
 #define BARRIER_MARGIN_NS 2000
 #define BARRIER_MAX_WAIT_NS 10000000
+/* The last stretch of the wait is spun (a sleep's wake-up is later by tens of us). */
+#define BARRIER_SPIN_NS 100000
 
 typedef struct {
     uint32_t magic;
@@ -319,10 +322,13 @@ static void barrier_release_times(tcp_t *tcp, int world_size, void *recv)
     /* The latest rank's lateness, kept as a maximum that decays by a quarter a barrier
      * (wake-ups vary from one barrier to the next). */
     int64_t late = tcp->late_ns - tcp->late_ns / 4;
-    for (int r = 1; r < world_size; r++)
-        if (tcp->same_host[r] && (int64_t)words[r] > late)
-            late = (int64_t)words[r];
-    tcp->late_ns = late < tcp->align_ns ? late : tcp->align_ns;
+    for (int r = 1; r < world_size; r++) {
+        /* A report beyond the setting is not a wake-up (a clock not ours): at most that. */
+        int64_t reported = words[r] < (uint64_t)tcp->align_ns ? (int64_t)words[r] : tcp->align_ns;
+        if (tcp->same_host[r] && reported > late)
+            late = reported;
+    }
+    tcp->late_ns = late;
     int64_t at = 0;
     if (tcp->align_ns > 0 && tcp->send_ns > 0) {
         int64_t hold = tcp->send_ns * (world_size - 1) + 2 * late + BARRIER_MARGIN_NS;
@@ -566,7 +572,8 @@ static epx_status_t tcp_allgather(epx__bootstrap_t *bootstrap, const void *send,
     return member_allgather(bootstrap, send, recv, bytes, stage);
 }
 
-/* Until `at` (CLOCK_MONOTONIC ns; 0 or past: return at once); how late `now` was. */
+/* Until `at` (CLOCK_MONOTONIC ns; 0 or past: return at once), sleeping until the last
+ * BARRIER_SPIN_NS and spinning through them; how late it was when called. */
 static int64_t wait_until(int64_t at)
 {
     int64_t now = epx__now_ns();
@@ -574,6 +581,12 @@ static int64_t wait_until(int64_t at)
         return 0;
     if (now >= at)
         return now - at;
+    if (at - now > BARRIER_SPIN_NS) {
+        int64_t wake = at - BARRIER_SPIN_NS;
+        struct timespec until = {.tv_sec = wake / 1000000000, .tv_nsec = wake % 1000000000};
+        while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &until, NULL) == EINTR) {
+        }
+    }
     while (epx__now_ns() < at) {
     }
     return 0;

@@ -42,6 +42,11 @@
 __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t s,
                                                                epx__cuda_combine_args_t a)
 {
+    /* The pull kernel's blocks may take their SMs now and wait there (at their
+     * epx_wait_previous) while this block waits for the peers: the form measured 3-14 us
+     * faster at 16 SMs a rank (docs/PERFORMANCE.md). (A thread's trigger counts for its
+     * whole block, so a trigger after the waits below would need a block barrier first.) */
+    epx_let_next_start();
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     if (epx_failed(s))
@@ -56,8 +61,6 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     }
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);
-    /* Only now may the pull kernel's blocks take their SMs (no SM held while waiting). */
-    epx_let_next_start();
 }
 
 /*

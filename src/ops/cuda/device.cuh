@@ -284,9 +284,9 @@ __device__ __forceinline__ uint32_t epx_pack_bf16(float lo, float hi)
  * the kernel before it on the stream still runs, once every block of that one has called
  * epx_let_next_start (or ended); before it reads anything the earlier kernel wrote, it
  * calls epx_wait_previous, which returns once that kernel has ended and its writes are
- * visible. The earlier kernels let the next start only after their waits on peers, so
- * no SM is held while a peer is awaited; what it saves is the launch at the boundary
- * (docs/PERFORMANCE.md). Without the attribute the wait returns at once.
+ * visible. A block's first epx_let_next_start counts for the whole block. What it saves
+ * is the launch at the boundary (docs/PERFORMANCE.md "Kernel boundaries": where each
+ * kernel lets the next start, and why). Without the attribute the wait returns at once.
  */
 __device__ __forceinline__ void epx_let_next_start(void)
 {

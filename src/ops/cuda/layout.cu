@@ -29,7 +29,7 @@
  *      rank_prefix_matrix (prefix sums of the count rows over sources), and, when the host
  *      waits, publishes them to host-mapped memory followed by the host's ticket.
  * Buffer use: the count rows are double-buffered by sequence parity (2 * R * (R + L)
- * int32 per rank); shared memory is E + 33 * 64 int32.
+ * int32 per rank); shared memory is E + 34 * 64 int32.
  */
 #include "notify.cuh"
 
@@ -146,8 +146,9 @@ __device__ void epx_notify_finish(const epx__cuda_shape_t &s, const epx__cuda_no
 /*
  * An earlier tile's state once it has published this operation's count (stamp + 1 or
  * more), or 0 after the timeout (recorded; a tile never waits on anything before it
- * publishes, so this is a bug or a dead GPU). Peers' abort words are not looked at here:
- * this kernel records nothing before its last block (epx_notify_kernel).
+ * publishes, so this is a bug or a dead GPU; the peers are told, as the count flag will
+ * not come). Peers' abort words are not looked at here: before its last block this
+ * kernel records no failure of theirs (epx_notify_kernel).
  */
 __device__ uint64_t epx_scan_tile_wait(const epx__cuda_shape_t &s, const epx__cuda_scan_tile_t *tile,
                                        uint64_t stamp)
@@ -161,7 +162,7 @@ __device__ uint64_t epx_scan_tile_wait(const epx__cuda_shape_t &s, const epx__cu
         }
         if (epx_globaltimer() - start > static_cast<uint64_t>(s.timeout_ns)) {
             epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_NOTIFY, s.rank, s.rank, 0,
-                               0, 0);
+                               0, 1);
             return 0;
         }
     }
@@ -218,6 +219,7 @@ __device__ void epx_notify_scan_tile(const epx__cuda_shape_t &s, const epx__cuda
         for (int p = tile - 1; p >= 0; p--) {
             uint64_t state = lane == 0 ? epx_scan_tile_wait(s, &tiles[p], stamp) : 0;
             state = __shfl_sync(0xffffffffu, state, 0);
+            __syncwarp(); /* orders the lanes' reads below after lane 0's acquire */
             if (state == 0)
                 break; /* timed out (recorded): the kernel's results are not used */
             const bool prefix = state >= stamp + EPX_CUDA_SCAN_PREFIX;
@@ -303,25 +305,26 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     __shared__ int32_t warp_totals[32 * EPX_CUDA_MAX_RANKS];
     __shared__ int32_t running[EPX_CUDA_MAX_RANKS];
     __shared__ int32_t tile_counts[EPX_CUDA_MAX_RANKS];
-    __shared__ int any_bad, tile, last;
+    __shared__ int any_bad, tile, last, stop;
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     const int parity = (int)(seq & 1u);
     /* A buffer that already failed sends nothing: its peers were told by the abort word.
-     * Every block sees the same here: nothing in this kernel records a failure before
-     * the last block runs alone. */
-    if (epx_failed(s))
-        return;
-
+     * Read once a block, before it draws a ticket; every block sees the same, as this
+     * kernel records a failure only in its last block (or after a tile's wait timed out,
+     * when its peers are told). */
     if (threadIdx.x == 0) {
+        stop = epx_failed(s);
         any_bad = 0;
-        tile = (int)atomicAdd(&s.local->scan_ticket, 1u);
+        tile = stop ? 0 : (int)atomicAdd(&s.local->scan_ticket, 1u);
     }
     for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
         expert_counts[i] = 0;
     for (int r = threadIdx.x; r < EPX_CUDA_MAX_RANKS; r += blockDim.x)
         running[r] = 0;
     __syncthreads();
+    if (stop)
+        return;
     const int fresh = a.topk_idx != NULL || a.is_token_in_rank != NULL;
     if (fresh) {
         /* Tiles of whole rounds, one a block (epx__cuda_scan_blocks sized the grid). */
@@ -345,8 +348,9 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->count_flag[parity], seq, EPX_CUDA_STAGE_NOTIFY, r);
     __syncthreads();
-    /* The data kernel's blocks may take their SMs while the results below are written
-     * (after the waits: no SM held while a peer is awaited). */
+    /* The data kernel's blocks may take their SMs while the results below are written:
+     * after every thread's waits (the barrier above), so none is held while a peer is
+     * awaited (earlier, they crowded out the other ranks' count exchanges). */
     epx_let_next_start();
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         int status = *reinterpret_cast<volatile int32_t *>(&epx_slot(s, me, r)->status[parity]);
