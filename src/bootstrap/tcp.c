@@ -162,12 +162,7 @@ static void refuse(int fd, const char *detail)
 static int connection_is_local(int fd)
 {
     struct sockaddr_in mine, theirs;
-    socklen_t mine_size = sizeof(mine), theirs_size = sizeof(theirs);
-    if (getsockname(fd, (struct sockaddr *)&mine, &mine_size) != 0 ||
-        getpeername(fd, (struct sockaddr *)&theirs, &theirs_size) != 0)
-        return 0;
-    return mine.sin_family == AF_INET && theirs.sin_family == AF_INET &&
-           mine.sin_addr.s_addr == theirs.sin_addr.s_addr;
+    return epx__socket_ends(fd, &mine, &theirs) && mine.sin_addr.s_addr == theirs.sin_addr.s_addr;
 }
 
 static epx_status_t root_join(epx__bootstrap_t *bootstrap, const epx__unique_id_fields_t *id)

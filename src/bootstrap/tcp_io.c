@@ -153,6 +153,15 @@ static void sleep_ms(int ms)
     }
 }
 
+int epx__socket_ends(int fd, struct sockaddr_in *local, struct sockaddr_in *peer)
+{
+    socklen_t local_length = sizeof(*local), peer_length = sizeof(*peer);
+    if (getsockname(fd, (struct sockaddr *)local, &local_length) != 0 ||
+        getpeername(fd, (struct sockaddr *)peer, &peer_length) != 0)
+        return 0;
+    return local->sin_family == AF_INET && peer->sin_family == AF_INET;
+}
+
 /*
  * On loopback, connecting to a port in the ephemeral range that nobody listens on can
  * connect the socket to itself (TCP simultaneous open) when the kernel happens to pick
@@ -161,9 +170,7 @@ static void sleep_ms(int ms)
 static int is_self_connected(int fd)
 {
     struct sockaddr_in local, peer;
-    socklen_t local_length = sizeof(local), peer_length = sizeof(peer);
-    if (getsockname(fd, (struct sockaddr *)&local, &local_length) != 0 ||
-        getpeername(fd, (struct sockaddr *)&peer, &peer_length) != 0)
+    if (!epx__socket_ends(fd, &local, &peer))
         return 0;
     return local.sin_port == peer.sin_port && local.sin_addr.s_addr == peer.sin_addr.s_addr;
 }

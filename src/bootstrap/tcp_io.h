@@ -44,6 +44,9 @@ epx__io_result_t epx__send_two(int fd, const void *head, size_t head_length, con
 epx__io_result_t epx__recv_some(int fd, void *data, size_t length, size_t *received,
                                 int *error_code);
 
+/* The two IPv4 ends of a connected socket; 0 when either is unknown or not IPv4. */
+int epx__socket_ends(int fd, struct sockaddr_in *local, struct sockaddr_in *peer);
+
 /*
  * Connect to address:port, retrying while nobody listens yet, until the deadline.
  * On EPX__IO_TIMEOUT, *error_code holds the last connect error (0 if none).
