@@ -236,7 +236,7 @@ static int body_barrier_holds(int rank, int world_size, void *arg)
         printf("     barrier: leaving times spread %.1f us (median of rounds 2-11; max %.1f), "
                "EPX_BARRIER_ALIGN_US=%s\n",
                (double)(spreads[4] + spreads[5]) / 2e3, (double)spreads[9] / 1e3,
-               getenv("EPX_BARRIER_ALIGN_US") ? getenv("EPX_BARRIER_ALIGN_US") : "0");
+               getenv("EPX_BARRIER_ALIGN_US") ? getenv("EPX_BARRIER_ALIGN_US") : "200 (default)");
     }
     CHECK_OK(epx_group_destroy(group));
     return 0;
