@@ -15,9 +15,10 @@
  *
  * Roles: a one-block ready kernel publishes this rank's input and waits for every
  * peer's (so at most one block per rank spins, whatever the SM budget). In the pull
- * kernel every warp is a reducer: one token at a time, lanes split the row into
- * 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane. The
- * sums start from the caller's biases (DeepEP's bias_0 + bias_1) when given.
+ * kernel every warp is a reducer: one token at a time (its first by index, the next by
+ * ticket as it frees up, epx_ticket_take: a token has 1-8 source ranks), lanes split the
+ * row into 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane.
+ * The sums start from the caller's biases (DeepEP's bias_0 + bias_1) when given.
  *
  * Signals: the last block to finish stores the sequence number into every peer's done
  * flag and waits for everyone's: when the kernel ends nobody reads this rank's buffer
@@ -49,6 +50,10 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     epx_let_next_start();
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
+    /* The pull kernel's token tickets start from zero (it reads them only after this
+     * kernel has ended, at its epx_wait_previous). */
+    if (threadIdx.x == 0)
+        s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE_TOKENS] = 0;
     if (epx_failed(s))
         return;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -123,7 +128,10 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_COMBINE_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_COMBINE_WARPS;
 
-    for (int64_t t = first_warp; t < a.num_tokens; t += num_warps) {
+    uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE_TOKENS];
+    uint32_t ticket = 0;
+    for (int64_t t = first_warp; t < a.num_tokens; t = epx_ticket_token(ticket, num_warps)) {
+        ticket = epx_ticket_take(tickets, lane);
         int n = 0;
         for (int r0 = 0; r0 < R; r0 += 32) {
             int r = r0 + lane;

@@ -235,6 +235,24 @@ __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
     return *flag;
 }
 
+/*
+ * Tokens handed to a kernel's warps as they free up: a token's cost varies with its
+ * number of destinations (or sources), so a fixed stride leaves some warps with far more
+ * work than others. Each warp takes its first token by index (warp w: token w); later
+ * ones by ticket from `counter`, which the operation's preceding kernel zeroed: ticket i
+ * is token num_warps + i. Lane 0 takes a ticket when the warp starts a token, the warp
+ * reads it when it finishes one, so the atomic's latency is hidden behind the token.
+ */
+__device__ __forceinline__ uint32_t epx_ticket_take(uint32_t *counter, int lane)
+{
+    return lane == 0 ? atomicAdd(counter, 1u) : 0u;
+}
+
+__device__ __forceinline__ int64_t epx_ticket_token(uint32_t ticket, int64_t num_warps)
+{
+    return num_warps + (int64_t)__shfl_sync(0xffffffffu, ticket, 0);
+}
+
 /* ---------------------------------------------------------------- bf16 */
 
 __device__ __forceinline__ float epx_bf16_lo(uint32_t pair)

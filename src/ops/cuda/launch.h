@@ -139,7 +139,8 @@ typedef struct {
 #define EPX_CUDA_GRID_COUNTERS 4
 typedef struct {
     uint64_t epoch;                                 /* operations completed */
-    uint32_t grid_counter[EPX_CUDA_GRID_COUNTERS];  /* last-block election, per kernel */
+    uint32_t grid_counter[EPX_CUDA_GRID_COUNTERS];  /* last-block elections and token
+                                                       tickets (EPX_CUDA_COUNTER_*) */
     int32_t failed;                                 /* nonzero: an error was recorded */
     int32_t reserved;
     int32_t base[EPX_CUDA_MAX_RANKS]; /* this rank's first row at each receiver */
@@ -160,7 +161,15 @@ typedef struct {
     epx__cuda_scan_tile_t scan_tiles[EPX_CUDA_SCAN_TILES];
 } epx__cuda_local_t;
 
-enum { EPX_CUDA_COUNTER_DISPATCH = 0, EPX_CUDA_COUNTER_COMBINE = 1 };
+/* grid_counter's slots: the data kernels' last-block elections (reset by the last block),
+ * and the single-node dispatch and combine kernels' token tickets (epx_ticket_take; zeroed
+ * by the kernel before each on the stream: the count exchange, the ready exchange). */
+enum {
+    EPX_CUDA_COUNTER_DISPATCH = 0,
+    EPX_CUDA_COUNTER_COMBINE = 1,
+    EPX_CUDA_COUNTER_DISPATCH_TOKENS = 2,
+    EPX_CUDA_COUNTER_COMBINE_TOKENS = 3
+};
 
 /* Host memory mapped into the device. */
 typedef struct {

@@ -309,6 +309,10 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     const int parity = (int)(seq & 1u);
+    /* The data kernel's token tickets start from zero (it reads them only after this
+     * kernel has ended, whatever path this kernel takes). */
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+        s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS] = 0;
     /* A buffer that already failed sends nothing: its peers were told by the abort word.
      * Read once a block, before it draws a ticket; every block sees the same, as this
      * kernel records a failure only in its last block (or after a tile's wait timed out,
