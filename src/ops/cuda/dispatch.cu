@@ -56,6 +56,113 @@ __device__ __forceinline__ void epx_dispatch_store(const epx__cuda_shape_t &s,
     }
 }
 
+/* What a token needs before its routing is read, loaded at once so that one memory
+ * latency covers it all: its row's first chunk and its small parts (lane k: top-k entry
+ * k and its weight; scales lane and lane + 32), which are written after the row. */
+template <int kUnroll>
+struct epx_dispatch_head_t {
+    int4 v[kUnroll];
+    int64_t id;
+    float weight, scale0, scale1;
+};
+
+template <int kUnroll>
+__device__ __forceinline__ void epx_dispatch_load_head(const epx__cuda_dispatch_args_t &a,
+                                                       int64_t t, int64_t units, int lane,
+                                                       int K, epx_dispatch_head_t<kUnroll> &h)
+{
+    const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
+    epx_ld16_batch<kUnroll>(h.v, src, 0, units, lane, a.x_align);
+    h.id = -1;
+    h.weight = h.scale0 = h.scale1 = 0.0f;
+    if (a.topk_idx != NULL && lane < K) {
+        h.id = a.topk_idx[t * a.topk_stride + lane];
+        if (a.topk_weights != NULL)
+            h.weight = a.topk_weights[t * a.weights_stride + lane];
+    }
+    if (lane < a.num_scales)
+        h.scale0 = a.scales[t * a.scales_stride + lane * a.scales_col_stride];
+    if (lane + 32 < a.num_scales)
+        h.scale1 = a.scales[t * a.scales_stride + (lane + 32) * a.scales_col_stride];
+}
+
+/* Token t's destinations, in rank order, compacted into the warp's lists; their count.
+ * Fresh: the ordinals in send_row become rows (the rank's base added) in place. */
+__device__ __forceinline__ int epx_dispatch_route(const epx__cuda_dispatch_args_t &a,
+                                                  const int32_t *bases, int R, int64_t t,
+                                                  int lane, int32_t *dest_rank,
+                                                  int32_t *dest_row)
+{
+    const unsigned lanes_below = (1u << lane) - 1u;
+    int n = 0;
+    for (int r0 = 0; r0 < R; r0 += 32) {
+        int r = r0 + lane;
+        int32_t row = -1;
+        if (r < R) {
+            row = a.send_row[t * R + r];
+            if (a.fresh && row >= 0) {
+                row += bases[r];
+                a.send_row[t * R + r] = row;
+            }
+        }
+        unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
+        if (row >= 0) {
+            int pos = n + __popc(ballot & lanes_below);
+            dest_rank[pos] = r;
+            dest_row[pos] = row;
+        }
+        n += __popc(ballot);
+    }
+    __syncwarp();
+    return n;
+}
+
+/* Token t's scales and top-k entries (rewritten for each destination: local id or -1,
+ * weight or 0) to its n destinations, after its row. */
+template <int kUnroll>
+__device__ __forceinline__ void epx_dispatch_tail(const epx__cuda_shape_t &s,
+                                                  const epx__cuda_dispatch_args_t &a,
+                                                  char *const *peers, const int32_t *dest_rank,
+                                                  const int32_t *dest_row, int n, int64_t t,
+                                                  const epx_dispatch_head_t<kUnroll> &h,
+                                                  int lane)
+{
+    const int K = s.num_topk, L = s.num_local_experts;
+    for (int i = lane; i < a.num_scales; i += 32) {
+        float scale = i < 32   ? h.scale0
+                      : i < 64 ? h.scale1
+                               : a.scales[t * a.scales_stride + i * a.scales_col_stride];
+        for (int j = 0; j < n; j++) {
+            float *dst = reinterpret_cast<float *>(peers[dest_rank[j]] + s.off_scales);
+            dst[(int64_t)dest_row[j] * a.num_scales + i] = scale;
+        }
+    }
+    if (a.topk_idx == NULL)
+        return;
+    for (int k = lane; k < K; k += 32) {
+        /* Entries 0..31 came with the head (lane k: entry k). */
+        int64_t e = h.id;
+        float w = h.weight;
+        if (k != lane) {
+            e = a.topk_idx[t * a.topk_stride + k];
+            w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
+        }
+        /* Ids out of range were refused by the count exchange before this kernel. */
+        int home = e >= 0 ? (int)(e / L) : -1;
+        for (int j = 0; j < n; j++) {
+            int r = dest_rank[j];
+            int64_t row = dest_row[j];
+            int here = home == r;
+            int64_t *ids = reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx);
+            ids[row * K + k] = here ? e - (int64_t)r * L : -1;
+            if (a.topk_weights != NULL) {
+                float *ws = reinterpret_cast<float *>(peers[r] + s.off_topk_weights);
+                ws[row * K + k] = here ? w : 0.0f;
+            }
+        }
+    }
+}
+
 /* kPipelined: the next chunk's loads are issued before the current chunk is stored. */
 template <int kUnroll, int kPipelined>
 __global__ void __launch_bounds__(EPX_CUDA_THREADS)
@@ -69,7 +176,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
     /* Launched early (epx_launch_early): the count exchange's results first. */
     epx_wait_previous();
-    const int R = s.world_size, L = s.num_local_experts, K = s.num_topk;
+    const int R = s.world_size, K = s.num_topk;
     const uint64_t seq = epx_op_seq(s);
     /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
     if (epx_failed(s))
@@ -81,108 +188,38 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __syncthreads();
 
     const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t units = a.row_bytes / 16;
-    const int64_t first_warp = (int64_t)blockIdx.x * EPX_DISPATCH_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_DISPATCH_WARPS;
-
+    int32_t *const rank = dest_rank[warp], *const row = dest_row[warp];
     uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS];
-    uint32_t ticket = 0;
-    for (int64_t t = first_warp; t < a.num_tokens; t = epx_ticket_token(ticket, num_warps)) {
-        ticket = epx_ticket_take(tickets, lane);
-        /* Everything the token needs is loaded before its routing is read, so that one
-         * latency covers them all: the row's first chunk, and the small parts (lane k:
-         * top-k entry k; scales lane and lane + 32), which are written after the row. */
-        const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
-        int4 v[kUnroll];
-        epx_ld16_batch<kUnroll>(v, src, 0, units, lane, a.x_align);
-        int64_t my_id = -1;
-        float my_weight = 0.0f, my_scale0 = 0.0f, my_scale1 = 0.0f;
-        if (a.topk_idx != NULL && lane < K) {
-            my_id = a.topk_idx[t * a.topk_stride + lane];
-            if (a.topk_weights != NULL)
-                my_weight = a.topk_weights[t * a.weights_stride + lane];
-        }
-        if (lane < a.num_scales)
-            my_scale0 = a.scales[t * a.scales_stride + lane * a.scales_col_stride];
-        if (lane + 32 < a.num_scales)
-            my_scale1 = a.scales[t * a.scales_stride + (lane + 32) * a.scales_col_stride];
 
-        /* Destinations of token t, in rank order, compacted into this warp's list. */
-        int n = 0;
-        for (int r0 = 0; r0 < R; r0 += 32) {
-            int r = r0 + lane;
-            int32_t row = -1;
-            if (r < R) {
-                row = a.send_row[t * R + r];
-                if (a.fresh && row >= 0) {
-                    row += bases[r];
-                    a.send_row[t * R + r] = row;
-                }
-            }
-            unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-            if (row >= 0) {
-                int pos = n + __popc(ballot & lanes_below);
-                dest_rank[warp][pos] = r;
-                dest_row[warp][pos] = row;
-            }
-            n += __popc(ballot);
-        }
-        __syncwarp();
+    int64_t t = (int64_t)blockIdx.x * EPX_DISPATCH_WARPS + warp;
+    epx_dispatch_head_t<kUnroll> h;
+    uint32_t ticket = 0;
+    for (; t < a.num_tokens; t = epx_ticket_token(ticket, num_warps)) {
+        ticket = epx_ticket_take(tickets, lane);
+        const char *src = static_cast<const char *>(a.x) + t * a.x_stride;
+        epx_dispatch_load_head<kUnroll>(a, t, units, lane, K, h);
+        const int n = epx_dispatch_route(a, bases, R, t, lane, rank, row);
         if (n == 0)
             continue;
-
-        const int32_t *rank = dest_rank[warp], *row = dest_row[warp];
         for (int64_t i0 = 0; i0 < units; i0 += 32 * kUnroll) {
             if (kPipelined) {
                 int4 next[kUnroll];
                 if (i0 + 32 * kUnroll < units)
-                    epx_ld16_batch<kUnroll>(next, src, i0 + 32 * kUnroll, units, lane, a.x_align);
-                epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, v, i0, units, lane);
+                    epx_ld16_batch<kUnroll>(next, src, i0 + 32 * kUnroll, units, lane,
+                                            a.x_align);
+                epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, h.v, i0, units, lane);
 #pragma unroll
                 for (int u = 0; u < kUnroll; u++)
-                    v[u] = next[u];
+                    h.v[u] = next[u];
             } else {
                 if (i0 > 0)
-                    epx_ld16_batch<kUnroll>(v, src, i0, units, lane, a.x_align);
-                epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, v, i0, units, lane);
+                    epx_ld16_batch<kUnroll>(h.v, src, i0, units, lane, a.x_align);
+                epx_dispatch_store<kUnroll>(s, a, peers, rank, row, n, h.v, i0, units, lane);
             }
         }
-
-        for (int i = lane; i < a.num_scales; i += 32) {
-            float scale = i < 32   ? my_scale0
-                          : i < 64 ? my_scale1
-                                   : a.scales[t * a.scales_stride + i * a.scales_col_stride];
-            for (int j = 0; j < n; j++) {
-                float *dst = reinterpret_cast<float *>(peers[dest_rank[warp][j]] + s.off_scales);
-                dst[(int64_t)dest_row[warp][j] * a.num_scales + i] = scale;
-            }
-        }
-
-        if (a.topk_idx != NULL) {
-            for (int k = lane; k < K; k += 32) {
-                /* Entries 0..31 were loaded before the row (lane k: entry k). */
-                int64_t e = my_id;
-                float w = my_weight;
-                if (k != lane) {
-                    e = a.topk_idx[t * a.topk_stride + k];
-                    w = a.topk_weights != NULL ? a.topk_weights[t * a.weights_stride + k] : 0.0f;
-                }
-                /* Ids out of range were refused by the count exchange before this kernel. */
-                int home = e >= 0 ? (int)(e / L) : -1;
-                for (int j = 0; j < n; j++) {
-                    int r = dest_rank[warp][j];
-                    int64_t row = dest_row[warp][j];
-                    int here = home == r;
-                    int64_t *ids = reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx);
-                    ids[row * K + k] = here ? e - (int64_t)r * L : -1;
-                    if (a.topk_weights != NULL) {
-                        float *ws = reinterpret_cast<float *>(peers[r] + s.off_topk_weights);
-                        ws[row * K + k] = here ? w : 0.0f;
-                    }
-                }
-            }
-        }
+        epx_dispatch_tail<kUnroll>(s, a, peers, rank, row, n, t, h, lane);
         __syncwarp();
     }
 
