@@ -209,8 +209,9 @@ epx_status_t epx_group_get_info(epx_group_t group, epx_group_info_t *info);
  * Collective barrier with the group's timeout (outside any buffer operation). With the
  * TCP rendezvous rank 0 releases the others one after another, a few microseconds a rank
  * apart; so rank 0 names a common time at which the ranks on its host leave, at most
- * EPX_BARRIER_ALIGN_US (default 200, set on rank 0) after its answers: 8 ranks on an H200
- * host leave within 0.2 us (median) instead of 24-35 us apart (docs/PERFORMANCE.md);
+ * EPX_BARRIER_ALIGN_US (default 200, read on rank 0) after the last rank arrived, from
+ * the group's second barrier on: 8 ranks on an H200 host leave within 0.2 us (median)
+ * instead of 32-35 us apart (docs/PERFORMANCE.md); ranks on other hosts leave at once;
  * 0 turns it off. With caller callbacks, whatever the caller's barrier gives.
  */
 epx_status_t epx_group_barrier(epx_group_t group);

@@ -11,11 +11,11 @@
  * collects all blocks at once with poll(), then sends the whole array back to each.
  * A barrier is an allgather of one word a rank. Rank 0 answers the ranks one after the
  * other (a few microseconds a send), so the first would leave the barrier tens of
- * microseconds before the last; with EPX_BARRIER_ALIGN_US set, rank 0 also puts into
- * each word a time (CLOCK_MONOTONIC) at which the ranks on its host leave together:
- * after its sends, by its estimate from the previous barrier (the sends' duration, and
- * how late the ranks said that barrier's answer reached them), never more than the
- * setting later. Ranks elsewhere (another IP address at each end of the connection)
+ * microseconds before the last; with EPX_BARRIER_ALIGN_US > 0 (default 200), rank 0
+ * puts into each word a time (CLOCK_MONOTONIC) at which the ranks on its host leave
+ * together: after its sends to them, by its estimate from the previous barrier (the
+ * sends' duration, and how late the ranks said that barrier's answer reached them),
+ * never more than the setting after the last rank arrived. Ranks elsewhere (another IP address at each end of the connection)
  * leave at once.
  *
  * Failures: the root is the only process that sees every rank, so when it fails (a
@@ -306,10 +306,11 @@ static int root_read_block(int fd, int r, incoming_t *in, char *block, size_t by
 /*
  * The barrier's answer (words[r] for rank r, words[0] the root's): in each member's
  * word, how late it was past the last barrier's time, replaced by the time at which
- * the ranks on this host leave this one (0: at once). The time lies after the sends,
- * as long as the last barrier's took, and after the ranks' recent lateness (twice it,
- * plus 2 us: wake-ups vary), within align_ns of now. Without an estimate yet (the
- * first barrier) the ranks leave at once.
+ * the ranks on this host leave this one (0: at once). The time lies after the sends up
+ * to the last rank on this host (they go out in rank order, each as long as the last
+ * barrier's took), and after the ranks' recent lateness (twice it, plus 2 us: wake-ups
+ * vary), within align_ns of now. Without an estimate yet (the first barrier), or with
+ * no other rank on this host, the ranks leave at once.
  */
 static void barrier_release_times(tcp_t *tcp, int world_size, void *recv)
 {
@@ -317,7 +318,10 @@ static void barrier_release_times(tcp_t *tcp, int world_size, void *recv)
     /* The latest rank's lateness, kept as a maximum that decays by a quarter a barrier
      * (wake-ups vary from one barrier to the next). */
     int64_t late = tcp->late_ns - tcp->late_ns / 4;
+    int last_here = 0; /* the last rank on this host, in the order of the sends */
     for (int r = 1; r < world_size; r++) {
+        if (tcp->same_host[r])
+            last_here = r;
         /* A report beyond the setting is not a wake-up (a clock not ours): at most that. */
         int64_t reported = words[r] < (uint64_t)tcp->align_ns ? (int64_t)words[r] : tcp->align_ns;
         if (tcp->same_host[r] && reported > late)
@@ -325,8 +329,8 @@ static void barrier_release_times(tcp_t *tcp, int world_size, void *recv)
     }
     tcp->late_ns = late;
     int64_t at = 0;
-    if (tcp->align_ns > 0 && tcp->send_ns > 0) {
-        int64_t hold = tcp->send_ns * (world_size - 1) + 2 * late + BARRIER_MARGIN_NS;
+    if (tcp->align_ns > 0 && tcp->send_ns > 0 && last_here > 0) {
+        int64_t hold = tcp->send_ns * last_here + 2 * late + BARRIER_MARGIN_NS;
         at = epx__now_ns() + (hold < tcp->align_ns ? hold : tcp->align_ns);
     }
     words[0] = (uint64_t)at;

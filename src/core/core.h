@@ -110,9 +110,10 @@ void epx__log_set_rank(int rank);
     X(NVSHMEM_PLUGIN, STRING, "", 0, 0,                                                     \
       "Path of libepx_nvshmem.so (low-latency CUDA); default: beside libepx, the build, "  \
       "the loader's path")                                                                  \
-    X(BARRIER_ALIGN_US, INT, 200, 0, 10000,                                                   \
-      "Longest epx_group_barrier (TCP bootstrap) holds a rank so that the ranks on rank 0's " \
-      "host leave it together (default 200); 0 = each leaves when rank 0's answer reaches it")           \
+    X(BARRIER_ALIGN_US, INT, 200, 0, 10000,                                                 \
+      "Longest epx_group_barrier (TCP bootstrap, read on rank 0) holds a rank so that the " \
+      "ranks on rank 0's host leave it together; 0 = each leaves when rank 0's answer "     \
+      "reaches it")                                                                         \
     X(NORMAL_KERNELS, INT, 1, 1, 2,                                                         \
       "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings")  \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \

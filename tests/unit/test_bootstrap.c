@@ -201,8 +201,9 @@ static int compare_int64(const void *a, const void *b)
 }
 
 /*
- * A barrier holds every rank until the last has arrived, whoever is last, also with the
- * aligned release (this binary runs again under EPX_BARRIER_ALIGN_US, tests/CMakeLists.txt):
+ * A barrier holds every rank until the last has arrived, whoever is last, with the
+ * aligned release at its default and (this binary runs again, tests/CMakeLists.txt) with
+ * EPX_BARRIER_ALIGN_US at 2000 and at 0 (off):
  * each round one rank arrives 3 ms after the others, and no rank may leave before it
  * arrived (the ranks share this machine's clock). Prints how far apart the ranks left
  * (informational: with more ranks than cores, as in CI, it says little).

