@@ -8,8 +8,9 @@
  * first_row + i of each one's combine-input region (the memory peers map by CUDA IPC).
  *
  * Roles: the vector kernel is dispatch.cu's copy loop: every warp of a block of
- * EPX_CUDA_THREADS takes one row at a time, loads a batch of 16-byte vectors per lane
- * (8 in flight) and stores it to each destination. The bulk kernel is dispatch_bulk.cu's
+ * EPX_CUDA_THREADS takes one row at a time (the next by ticket as it frees up, as the
+ * dispatch takes tokens: rows go to 5 or 6 ranks), loads a batch of 16-byte vectors per
+ * lane (8 in flight) and stores it to each destination. The bulk kernel is dispatch_bulk.cu's
  * ring: EPX_BULK_PIPES warps per block, lane 0 of each keeps a ring of rows in shared
  * memory moving (bulk load of a row, then one bulk store per destination, the next
  * stages-1 loads in flight meanwhile).
@@ -39,8 +40,11 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int lane = epx_lane();
     const int64_t units = a.row_bytes / 16;
     const int64_t num_warps = static_cast<int64_t>(gridDim.x) * EPX_FANOUT_WARPS;
+    uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_FANOUT_ROWS];
+    uint32_t ticket = 0;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * EPX_FANOUT_WARPS + epx_warp(); i < a.rows;
-         i += num_warps) {
+         i = epx_ticket_token(ticket, num_warps)) {
+        ticket = epx_ticket_take(tickets, lane);
         const char *src = static_cast<const char *>(a.src) + i * a.src_pitch;
         const int count = epx_fanout_count(i, a.fanout_milli);
         const int64_t offset = a.dst_offset + (a.first_row + i) * a.dst_pitch;
@@ -123,6 +127,10 @@ extern "C" cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
     if (args->kernels != EPX_CUDA_KERNELS_BULK) {
         int64_t wanted = (args->rows + EPX_FANOUT_WARPS - 1) / EPX_FANOUT_WARPS;
         int blocks = static_cast<int>(wanted < args->num_sms ? wanted : args->num_sms);
+        cudaError_t err = cudaMemsetAsync(&shape->local->grid_counter[EPX_CUDA_COUNTER_FANOUT_ROWS],
+                                          0, sizeof(uint32_t), stream);
+        if (err != cudaSuccess)
+            return err;
         epx_fanout_vector_kernel<<<blocks, EPX_CUDA_THREADS, 0, stream>>>(*shape, *args);
         return cudaGetLastError();
     }

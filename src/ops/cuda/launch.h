@@ -136,7 +136,7 @@ typedef struct {
 } epx__cuda_scan_tile_t;
 
 /* Device state only this rank touches. */
-#define EPX_CUDA_GRID_COUNTERS 4
+#define EPX_CUDA_GRID_COUNTERS 5
 typedef struct {
     uint64_t epoch;                                 /* operations completed */
     uint32_t grid_counter[EPX_CUDA_GRID_COUNTERS];  /* last-block elections and token
@@ -163,12 +163,14 @@ typedef struct {
 
 /* grid_counter's slots: the data kernels' last-block elections (reset by the last block),
  * and the single-node dispatch and combine kernels' token tickets (epx_ticket_take; zeroed
- * by the kernel before each on the stream: the count exchange, the ready exchange). */
+ * by the kernel before each on the stream: the count exchange, the ready exchange), and
+ * the fan-out copy's row tickets (zeroed by a memset before it). */
 enum {
     EPX_CUDA_COUNTER_DISPATCH = 0,
     EPX_CUDA_COUNTER_COMBINE = 1,
     EPX_CUDA_COUNTER_DISPATCH_TOKENS = 2,
-    EPX_CUDA_COUNTER_COMBINE_TOKENS = 3
+    EPX_CUDA_COUNTER_COMBINE_TOKENS = 3,
+    EPX_CUDA_COUNTER_FANOUT_ROWS = 4
 };
 
 /* Host memory mapped into the device. */
