@@ -15,8 +15,8 @@
  * puts into each word a time (CLOCK_MONOTONIC) at which the ranks on its host leave
  * together: after its sends to them, by its estimate from the previous barrier (the
  * sends' duration, and how late the ranks said that barrier's answer reached them),
- * never more than the setting after the last rank arrived. Ranks elsewhere (another IP address at each end of the connection)
- * leave at once.
+ * never more than the setting after the last rank arrived. Ranks elsewhere (another IP
+ * address at each end of the connection) leave at once.
  *
  * Failures: the root is the only process that sees every rank, so when it fails (a
  * rank closed its connection, a rank did not arrive in time) it sends every other rank

@@ -240,8 +240,9 @@ __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
  * number of destinations (or sources), so a fixed stride leaves some warps with far more
  * work than others. Each warp takes its first token by index (warp w: token w); later
  * ones by ticket from `counter`, zeroed before the kernel (by the kernel before it on
- * the stream, or a memset): ticket i is token num_warps + i. Lane 0 takes a ticket when the warp starts a token, the warp
- * reads it when it finishes one, so the atomic's latency is hidden behind the token.
+ * the stream, or a memset): ticket i is token num_warps + i. Lane 0 takes a ticket when
+ * the warp starts a token, the warp reads it when it finishes one, so the atomic's
+ * latency is hidden behind the token.
  */
 __device__ __forceinline__ uint32_t epx_ticket_take(uint32_t *counter, int lane)
 {
