@@ -117,11 +117,16 @@ typedef enum {
     /* TMA bulk copies through a ring of rows in shared memory per warp: that of the
      * bulk-copy dispatch kernel (EPX_NORMAL_KERNELS=2; needs sm_90). */
     EPX_FANOUT_BULK = 2,
+    /* Loads and stores split between warps: one warp per block bulk-loads rows (TMA) into
+     * a ring in shared memory, the block's other 16 warps store each row from there to
+     * every destination with 16-byte vectors (needs sm_90; no dispatch kernel moves
+     * rows this way yet). */
+    EPX_FANOUT_STAGED = 3,
 } epx_fanout_kernel_t;
 
 typedef struct {
     size_t size;                /* sizeof(epx_fanout_args_t): set by EPX_FANOUT_ARGS_INIT */
-    epx_fanout_kernel_t kernel; /* EPX_FANOUT_VECTOR (default) or EPX_FANOUT_BULK */
+    epx_fanout_kernel_t kernel; /* EPX_FANOUT_VECTOR (default), _BULK or _STAGED */
     const void *src;            /* the rows, 16-byte aligned; device memory on CUDA */
     int64_t src_pitch;          /* bytes between source rows, a multiple of 16; 0 = row_bytes */
     int64_t rows;               /* 0 to config.max_tokens_per_rank */
@@ -130,9 +135,9 @@ typedef struct {
      * k_i = floor((i + 1) * fanout) - floor(i * fanout) ranks. 1 = a plain copy. */
     double fanout;
     int num_sms; /* SMs to use, 0 = the buffer's num_sms (at most 1024) */
-    /* EPX_FANOUT_BULK: row slots of each warp's ring, 2 to 8 (the shared memory of a
-     * block must hold them: EPX_ERR_CUDA when it cannot); 0 = as many as the bulk
-     * dispatch kernel's budget holds. */
+    /* EPX_FANOUT_BULK: row slots of each warp's ring; EPX_FANOUT_STAGED: of the block's
+     * ring. 2 to 8 (the shared memory of a block must hold them: EPX_ERR_CUDA when it
+     * cannot); 0 = as many as the bulk dispatch kernel's budget holds. */
     int stages;
 } epx_fanout_args_t;
 

@@ -19,10 +19,11 @@ static epx_status_t check_args(epx_buffer_t buffer, const epx_fanout_args_t *arg
                          "fanout_copy: args.size is %zu, expected %zu (fill args with "
                          "EPX_FANOUT_ARGS_INIT)",
                          args->size, sizeof(epx_fanout_args_t));
-    if (args->kernel != EPX_FANOUT_VECTOR && args->kernel != EPX_FANOUT_BULK)
+    if (args->kernel != EPX_FANOUT_VECTOR && args->kernel != EPX_FANOUT_BULK &&
+        args->kernel != EPX_FANOUT_STAGED)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "fanout_copy: kernel %d is not EPX_FANOUT_VECTOR (1) or "
-                         "EPX_FANOUT_BULK (2)",
+                         "fanout_copy: kernel %d is not EPX_FANOUT_VECTOR (1), EPX_FANOUT_BULK "
+                         "(2) or EPX_FANOUT_STAGED (3)",
                          (int)args->kernel);
     if (args->src == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "fanout_copy: src is NULL");

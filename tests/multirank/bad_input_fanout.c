@@ -15,14 +15,14 @@
 #include "mem.h"
 #include "test_util.h"
 
-#define FO_TOKENS 2                  /* max_tokens_per_rank of the buffer */
+#define FO_TOKENS 5                  /* max_tokens_per_rank of the buffer */
 #define FO_ROW_BYTES (BI_HIDDEN * 2) /* the region's row pitch */
 #define FO_COPY_BYTES 256            /* bytes of each row the copy moves (half a row) */
 #define FO_UNTOUCHED 0xee
 
 static uint8_t source_byte(int rank, int row)
 {
-    return (uint8_t)(1 + rank * 2 + row);
+    return (uint8_t)(1 + rank * FO_TOKENS + row);
 }
 
 /* Rows the header says row `row` of rank `source` goes to: does it reach `rank`? */
@@ -43,7 +43,7 @@ static const char *break_args(int i, epx_fanout_args_t *a, void *src, const char
     const int R = bi_info.world_size;
     switch (i) {
     case 0: *culprit = "size"; a->size -= 8; return "fanout: wrong args.size";
-    case 1: *culprit = "kernel"; a->kernel = (epx_fanout_kernel_t)3; return "fanout: kernel 3";
+    case 1: *culprit = "kernel"; a->kernel = (epx_fanout_kernel_t)4; return "fanout: kernel 4";
     case 2: *culprit = "src"; a->src = NULL; return "fanout: NULL src";
     case 3: *culprit = "src"; a->src = (char *)src + 8; return "fanout: src off 16 bytes";
     case 4: *culprit = "rows"; a->rows = -1; return "fanout: rows -1";
@@ -82,9 +82,15 @@ static void run_bad_args(epx_buffer_t buffer, void *src)
     }
 }
 
-/* One copy with `kernel`, then this rank's region checked row by row. */
+static const char *kernel_name(epx_fanout_kernel_t kernel)
+{
+    return kernel == EPX_FANOUT_BULK ? "bulk" : kernel == EPX_FANOUT_STAGED ? "staged" : "vector";
+}
+
+/* One copy with `kernel` on `num_sms` SMs (0 = the buffer's) with `stages` slots a ring
+ * (0 = the default), then this rank's region checked row by row. */
 static void run_copy(epx_buffer_t buffer, const epx_tensor_t *region, void *src,
-                     epx_fanout_kernel_t kernel, double fanout)
+                     epx_fanout_kernel_t kernel, double fanout, int num_sms, int stages)
 {
     const int R = bi_info.world_size, me = bi_info.rank;
     const size_t region_bytes = (size_t)R * FO_TOKENS * FO_ROW_BYTES;
@@ -102,6 +108,8 @@ static void run_copy(epx_buffer_t buffer, const epx_tensor_t *region, void *src,
     args.rows = FO_TOKENS;
     args.row_bytes = FO_COPY_BYTES;
     args.fanout = fanout;
+    args.num_sms = num_sms;
+    args.stages = stages;
     CHECK_OK(epx_fanout_copy(buffer, &args, NULL));
     mr_mem_sync();
     CHECK_OK(epx_group_barrier(bi_group));
@@ -114,15 +122,15 @@ static void run_copy(epx_buffer_t buffer, const epx_tensor_t *region, void *src,
             for (int b = 0; b < FO_ROW_BYTES; b++) {
                 uint8_t want = here && b < FO_COPY_BYTES ? source_byte(source, row) : FO_UNTOUCHED;
                 if (at[b] != want)
-                    TEST_FAIL("rank %d: fanout %s %.2f: row %d of rank %d, byte %d is 0x%02x, "
-                              "expected 0x%02x",
-                              me, kernel == EPX_FANOUT_BULK ? "bulk" : "vector", fanout, row,
-                              source, b, at[b], want);
+                    TEST_FAIL("rank %d: fanout %s %.2f (SMs %d, stages %d): row %d of rank %d, "
+                              "byte %d is 0x%02x, expected 0x%02x",
+                              me, kernel_name(kernel), fanout, num_sms, stages, row, source, b,
+                              at[b], want);
             }
         }
     }
-    printf("fanout %-6s %.2f: rows of %d ranks where they belong\n",
-           kernel == EPX_FANOUT_BULK ? "bulk" : "vector", fanout, R);
+    printf("fanout %-6s %.2f (SMs %d, stages %d): rows of %d ranks where they belong\n",
+           kernel_name(kernel), fanout, num_sms, stages, R);
     free(host);
 }
 
@@ -160,8 +168,11 @@ void bi_run_fanout_cases(void)
     run_bad_args(buffer, src);
     const double fanouts[] = {1.0, R > 1 ? 1.5 : 1.0, (double)R};
     for (int f = 0; f < 3; f++) {
-        run_copy(buffer, &region, src, EPX_FANOUT_VECTOR, fanouts[f]);
-        run_copy(buffer, &region, src, EPX_FANOUT_BULK, fanouts[f]);
+        run_copy(buffer, &region, src, EPX_FANOUT_VECTOR, fanouts[f], 0, 0);
+        run_copy(buffer, &region, src, EPX_FANOUT_BULK, fanouts[f], 0, 0);
+        run_copy(buffer, &region, src, EPX_FANOUT_STAGED, fanouts[f], 0, 0);
+        /* One block, two slots: every row through a ring that wraps twice. */
+        run_copy(buffer, &region, src, EPX_FANOUT_STAGED, fanouts[f], 1, 2);
     }
 
     CHECK_OK(epx_handle_destroy(result.handle));

@@ -318,23 +318,24 @@ bench_fanout)
     expect_rc 0
     expect_out '^# epx bench --mode fanout: backend host, 3 ranks, rows 64 per rank, hidden 256, fanout 2.50'
     expect_count '^# copy bandwidth: [0-9.]* GB/s measured' out 1
-    for kernel in vector bulk; do
+    for kernel in vector bulk staged; do
         expect_count "^  bf16  $kernel  *2.50 " out 1
         expect_count "^  bf16  $kernel  *1.00 " out 1
         expect_count "^  fp8   $kernel  *1.00 " out 1
     done
     expect_count '^  bf16  bulk_2  *2.50 ' out 1
+    expect_count '^  bf16  staged_4  *2.50 ' out 1
     expect_count '^  fp8   copy_engine  *2.50 ' out 1
-    expect_count '^  ' out 12
+    expect_count '^  ' out 18
     run "$EPX" bench -n 2 --mode fanout --tokens 32 --hidden 256 --experts 8 --topk 2 \
         --dtype bf16 --iters 2 --json
     expect_rc 0
-    expect_count '^{.*}$' out 6
+    expect_count '^{.*}$' out 9
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 6, rows
+assert len(rows) == 9, rows
 for row in rows:
     assert row["mode"] == "fanout" and row["ranks"] == 2 and row["rows"] == 32, row
     # Fanout not given: 5.25 capped at the 2 ranks; fanout 2 writes each row twice.
@@ -346,7 +347,8 @@ for row in rows:
     assert row["total_bytes"] == 2 * per_rank, row
     assert abs(row["gbps"] - row["total_bytes"] / (row["slowest_median_us"] * 1e3)) <= 1e-3 * row["gbps"], row
     assert row["of_copy"] > 0 and abs(row["of_copy"] - row["gbps"] / row["copy_gbps"]) <= 1e-3 * row["of_copy"], row
-assert [r["kernel"] for r in rows] == ["vector", "bulk", "bulk_2", "vector", "bulk", "copy_engine"], rows
+assert [r["kernel"] for r in rows] == ["vector", "bulk", "bulk_2", "staged", "staged_4", "vector",
+                                      "bulk", "staged", "copy_engine"], rows
 PY
     fi
     # Refused: no checks in this mode, --fanout only in it, more than the ranks.

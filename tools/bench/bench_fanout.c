@@ -11,7 +11,10 @@
  *   bulk            the bulk dispatch kernel's ring (TMA through shared memory), with its
  *                   shared-memory budget; bulk_2 with two row slots per warp (fewer
  *                   bytes in flight: how much the ring's depth matters)
- *   vector, bulk    the same with fanout 1: a plain copy of each row
+ *   staged          one warp a block bulk-loads rows into a ring in shared memory, the
+ *                   other 16 store them from there (no dispatch kernel's yet: the
+ *                   candidate); staged_4 with four row slots instead of eight
+ *   vector, bulk, staged  the same with fanout 1: a plain copy of each row
  *   copy_engine     no SMs: each rank copies fanout x tokens rows with cudaMemcpyAsync,
  *                   all ranks at once (what combine from a tensor outside the buffer must
  *                   copy in first, done by the copy engines)
@@ -35,15 +38,18 @@ typedef struct {
     int engine;                 /* 1: copy engines (epx__bench_copy), else epx_fanout_copy */
     epx_fanout_kernel_t kernel; /* epx_fanout_copy */
     int plain;                  /* fanout 1 instead of the option's */
-    int stages;                 /* bulk: slots per warp, 0 = the dispatch kernel's */
+    int stages;                 /* bulk: slots per warp; staged: of the block; 0 = default */
 } fanout_variant_t;
 
 static const fanout_variant_t variants[] = {
     {"vector", 0, EPX_FANOUT_VECTOR, 0, 0},
     {"bulk", 0, EPX_FANOUT_BULK, 0, 0},
     {"bulk_2", 0, EPX_FANOUT_BULK, 0, 2},
+    {"staged", 0, EPX_FANOUT_STAGED, 0, 0},
+    {"staged_4", 0, EPX_FANOUT_STAGED, 0, 4},
     {"vector", 0, EPX_FANOUT_VECTOR, 1, 0},
     {"bulk", 0, EPX_FANOUT_BULK, 1, 0},
+    {"staged", 0, EPX_FANOUT_STAGED, 1, 0},
     {"copy_engine", 1, EPX_FANOUT_VECTOR, 0, 0},
 };
 #define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))

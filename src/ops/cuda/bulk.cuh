@@ -67,6 +67,12 @@ __device__ __forceinline__ void epx_mbar_arrive_expect(uint64_t *bar, uint32_t b
                  : "memory");
 }
 
+/* One plain arrival (release: this thread's earlier reads of the stage are done). */
+__device__ __forceinline__ void epx_mbar_arrive(uint64_t *bar)
+{
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(epx_smem_addr(bar)) : "memory");
+}
+
 /* 1 once the phase of parity `parity` has completed (acquire: its bytes are visible). */
 __device__ __forceinline__ int epx_mbar_try_wait(uint64_t *bar, uint32_t parity)
 {

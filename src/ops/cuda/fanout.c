@@ -22,10 +22,13 @@ epx_status_t epx__cuda_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t 
     f.dst_pitch = cuda->shape.hidden * 2;
     f.first_row = (int64_t)buffer->group->rank * buffer->config.max_tokens_per_rank;
     f.stages = args->stages;
-    f.kernels = args->kernel == EPX_FANOUT_BULK ? EPX_CUDA_KERNELS_BULK : EPX_CUDA_KERNELS_VECTOR;
+    f.kernel = args->kernel;
     f.num_sms = args->num_sms;
     EPX_CUDA_CHECK(epx__cuda_launch_fanout(&cuda->shape, &f, (cudaStream_t)stream),
                    "fanout_copy: launching the %s copy (stages %d)",
-                   args->kernel == EPX_FANOUT_BULK ? "bulk" : "vector", args->stages);
+                   args->kernel == EPX_FANOUT_BULK     ? "bulk"
+                   : args->kernel == EPX_FANOUT_STAGED ? "staged"
+                                                       : "vector",
+                   args->stages);
     return EPX_SUCCESS;
 }

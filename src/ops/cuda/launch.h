@@ -490,9 +490,10 @@ typedef struct {
     int64_t dst_offset;
     int64_t dst_pitch;
     int64_t first_row;
-    int kernels; /* EPX_CUDA_KERNELS_* */
+    int kernel;  /* EPX_FANOUT_* (include/epx_tool.h) */
     int num_sms;
-    int stages;  /* bulk: slots per warp's ring, 0 = what EPX_BULK_RING_BYTES holds */
+    int stages;  /* bulk: slots per warp's ring; staged: slots of the block's ring; 0 = what
+                  * EPX_BULK_RING_BYTES holds */
 } epx__cuda_fanout_args_t;
 
 cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
