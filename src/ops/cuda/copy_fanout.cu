@@ -267,6 +267,29 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     epx_bulk_wait_all();
 }
 
+/*
+ * Stages of a ring kernel's ring, each `stage_bytes` of the block's shared memory:
+ * `requested`, or (0) as many as EPX_BULK_RING_BYTES holds, at most `most`. Two at least,
+ * and the block's shared memory must hold them: cudaErrorInvalidValue otherwise.
+ */
+static cudaError_t epx_fanout_stages(const void *kernel, int requested, int64_t stage_bytes,
+                                     int64_t most, int64_t *stages)
+{
+    int64_t budget = 0, room = 0;
+    cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
+    if (err == cudaSuccess)
+        err = epx_bulk_ring_budget(kernel, INT64_MAX, &room);
+    if (err != cudaSuccess)
+        return err;
+    int64_t n = requested;
+    if (n == 0)
+        n = budget / stage_bytes < most ? budget / stage_bytes : most;
+    if (n < 2 || n > most || n * stage_bytes > room)
+        return cudaErrorInvalidValue;
+    *stages = n;
+    return cudaSuccess;
+}
+
 /* The staged kernel: one block per SM up to a row each; `stages` slots of the ring (0 =
  * as many as EPX_BULK_RING_BYTES holds, at most EPX_FANOUT_STAGED_SLOTS). */
 static cudaError_t epx_fanout_launch_staged(const epx__cuda_shape_t *shape,
@@ -275,22 +298,12 @@ static cudaError_t epx_fanout_launch_staged(const epx__cuda_shape_t *shape,
 {
     const void *kernel = reinterpret_cast<const void *>(epx_fanout_staged_kernel);
     const int64_t slot_bytes = epx_bulk_round_up(args->row_bytes, 128);
-    int64_t budget = 0, room = 0;
-    cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
+    int64_t stages = 0;
+    cudaError_t err = epx_fanout_stages(kernel, args->stages, slot_bytes, EPX_FANOUT_STAGED_SLOTS,
+                                        &stages);
     if (err == cudaSuccess)
-        err = epx_bulk_ring_budget(kernel, INT64_MAX, &room);
-    if (err != cudaSuccess)
-        return err;
-    int64_t stages = args->stages;
-    if (stages == 0) {
-        stages = budget / slot_bytes;
-        if (stages > EPX_FANOUT_STAGED_SLOTS)
-            stages = EPX_FANOUT_STAGED_SLOTS;
-    }
-    if (stages < 2 || stages > EPX_FANOUT_STAGED_SLOTS || stages * slot_bytes > room)
-        return cudaErrorInvalidValue;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(stages * slot_bytes));
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   static_cast<int>(stages * slot_bytes));
     if (err == cudaSuccess)
         err = cudaMemsetAsync(&shape->local->grid_counter[EPX_CUDA_COUNTER_FANOUT_ROWS], 0,
                               sizeof(uint32_t), stream);
@@ -323,22 +336,12 @@ extern "C" cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
         return epx_fanout_launch_staged(shape, args, stream);
     const void *kernel = reinterpret_cast<const void *>(epx_fanout_bulk_kernel);
     const int64_t slot_bytes = epx_bulk_round_up(args->row_bytes, 128);
-    int64_t budget = 0, room = 0;
-    cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
-    if (err == cudaSuccess)
-        err = epx_bulk_ring_budget(kernel, INT64_MAX, &room);
+    /* A slot is refilled only after the next one's stores were issued: two at least. */
+    int64_t stages = 0;
+    cudaError_t err = epx_fanout_stages(kernel, args->stages, EPX_BULK_PIPES * slot_bytes,
+                                        EPX_BULK_MAX_STAGES, &stages);
     if (err != cudaSuccess)
         return err;
-    int64_t stages = args->stages;
-    if (stages == 0) {
-        stages = budget / (EPX_BULK_PIPES * slot_bytes);
-        if (stages > EPX_BULK_MAX_STAGES)
-            stages = EPX_BULK_MAX_STAGES;
-    }
-    /* A slot is refilled only after the next one's stores were issued: two at least,
-     * and the block's shared memory must hold them. */
-    if (stages < 2 || stages > EPX_BULK_MAX_STAGES || EPX_BULK_PIPES * stages * slot_bytes > room)
-        return cudaErrorInvalidValue;
     const int64_t ring_bytes = EPX_BULK_PIPES * stages * slot_bytes;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(ring_bytes));

@@ -27,7 +27,8 @@
  * blocks exit at once, so at most one block per rank spins.
  *
  * This is the vector form (EPX_NORMAL_KERNELS=1, and the fallback of the bulk-copy form
- * in dispatch_bulk.cu for rows it cannot take).
+ * in dispatch_bulk.cu and the staged form in dispatch_staged.cu for rows they cannot
+ * take).
  *
  * Buffer use: rows [0, received) of the receive region, bounded by max_tokens_per_rank
  * * world_size. A sender writes into a receiver only after the receiver's count flag
@@ -232,9 +233,11 @@ extern "C" cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
                                                  const epx__cuda_dispatch_args_t *args,
                                                  cudaStream_t stream)
 {
-    if (args->kernels == EPX_CUDA_KERNELS_BULK) {
+    if (args->kernels == EPX_CUDA_KERNELS_BULK || args->kernels == EPX_CUDA_KERNELS_STAGED) {
         int launched = 0;
-        cudaError_t err = epx__cuda_launch_dispatch_bulk(shape, args, stream, &launched);
+        cudaError_t err = args->kernels == EPX_CUDA_KERNELS_BULK
+                              ? epx__cuda_launch_dispatch_bulk(shape, args, stream, &launched)
+                              : epx__cuda_launch_dispatch_staged(shape, args, stream, &launched);
         if (err != cudaSuccess || launched)
             return err;
     }

@@ -28,6 +28,7 @@
  * 16-byte aligned or a ring of two rows does not fit.
  */
 #include "bulk.cuh"
+#include "dispatch_parts.cuh"
 #include "signal.cuh"
 
 typedef struct {
@@ -47,19 +48,6 @@ __device__ __forceinline__ uint64_t *epx_route_mask(char *route)
 __device__ __forceinline__ int32_t *epx_route_rows(char *route)
 {
     return reinterpret_cast<int32_t *>(route + 8);
-}
-
-/* Top-k id and weight `lane` of token t (-1 and 0 past K, or without top-k outputs). */
-__device__ __forceinline__ void epx_load_topk(const epx__cuda_dispatch_args_t &a, int K,
-                                              int64_t t, int lane, int64_t *id, float *weight)
-{
-    *id = -1;
-    *weight = 0.0f;
-    if (a.topk_idx != NULL && lane < K) {
-        *id = a.topk_idx[t * a.topk_stride + lane];
-        if (a.topk_weights != NULL)
-            *weight = a.topk_weights[t * a.weights_stride + lane];
-    }
 }
 
 /*
@@ -117,7 +105,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     __shared__ int32_t bases[EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
-    const int R = s.world_size, L = s.num_local_experts, K = s.num_topk, S = g.stages;
+    const int R = s.world_size, K = s.num_topk, S = g.stages;
     const uint64_t seq = epx_op_seq(s);
     /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
     if (epx_failed(s))
@@ -192,40 +180,9 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
             break;
 
         /* The small parts, by the lanes, while the row's bulk stores run. */
-        const uint64_t mask = *epx_route_mask(route);
-        const int32_t *rows = epx_route_rows(route);
-        if (a.num_scales > 0 && !g.bulk_scales) {
-            for (int i = lane; i < a.num_scales; i += 32) {
-                const float scale = a.scales[t * a.scales_stride + i * a.scales_col_stride];
-                for (uint64_t m = mask; m != 0; m &= m - 1) {
-                    const int r = __ffsll(static_cast<long long>(m)) - 1;
-                    float *dst = reinterpret_cast<float *>(peers[r] + s.off_scales);
-                    dst[static_cast<int64_t>(rows[r]) * a.num_scales + i] = scale;
-                }
-            }
-        }
-        if (a.topk_idx != NULL) {
-            for (int k = lane; k < K; k += 32) {
-                const int64_t e = k == lane ? lane_id : a.topk_idx[t * a.topk_stride + k];
-                const float w = k == lane ? lane_weight
-                                : a.topk_weights != NULL
-                                    ? a.topk_weights[t * a.weights_stride + k]
-                                    : 0.0f;
-                /* Ids out of range were refused by the count exchange before this kernel. */
-                const int home = e >= 0 ? static_cast<int>(e / L) : -1;
-                for (uint64_t m = mask; m != 0; m &= m - 1) {
-                    const int r = __ffsll(static_cast<long long>(m)) - 1;
-                    const int64_t at = rows[r];
-                    const int here = home == r;
-                    int64_t *ids = reinterpret_cast<int64_t *>(peers[r] + s.off_topk_idx);
-                    ids[at * K + k] = here ? e - static_cast<int64_t>(r) * L : -1;
-                    if (a.topk_weights != NULL) {
-                        float *ws = reinterpret_cast<float *>(peers[r] + s.off_topk_weights);
-                        ws[at * K + k] = here ? w : 0.0f;
-                    }
-                }
-            }
-        }
+        epx_dispatch_store_parts(s, a, peers, *epx_route_mask(route), epx_route_rows(route), t,
+                                 a.num_scales > 0 && !g.bulk_scales, 1, lane_id, lane_weight,
+                                 lane);
         __syncwarp();
 
         /* Refill the previous token's slot once its stores have read it (this token's
@@ -259,15 +216,11 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *s
 {
     *launched = 0;
     const epx__cuda_dispatch_args_t *a = args;
-    if (a->x_align < 16 || a->row_bytes % 16 != 0 || a->recv_pitch % 16 != 0 ||
-        shape->off_x % 16 != 0)
+    if (!epx_dispatch_ring_fits(shape, a))
         return cudaSuccess;
     epx_dispatch_ring_t g = {};
     g.scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
-    g.bulk_scales = a->num_scales > 0 && a->scales_col_stride == 1 && g.scale_bytes % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(a->scales) % 16 == 0 &&
-                    (a->scales_stride * 4) % 16 == 0 && shape->off_scales >= 0 &&
-                    shape->off_scales % 16 == 0;
+    g.bulk_scales = epx_dispatch_bulk_scales(shape, a);
     g.slot_bytes = epx_bulk_round_up(a->row_bytes + (g.bulk_scales ? g.scale_bytes : 0), 128);
     g.route_bytes = epx_bulk_round_up(8 + 4 * static_cast<int64_t>(shape->world_size), 16);
     int64_t budget = 0;

@@ -51,11 +51,13 @@ extern "C" {
 
 /*
  * Which single-node data kernels normal mode runs (EPX_NORMAL_KERNELS): the vector
- * kernels (dispatch.cu, combine.cu: 16-byte loads and stores from registers) or the
+ * kernels (dispatch.cu, combine.cu: 16-byte loads and stores from registers), the
  * bulk-copy kernels (dispatch_bulk.cu, combine_bulk.cu: TMA copies through rings in
- * shared memory; a case they cannot take runs the vector kernels).
+ * shared memory), or the staged dispatch (dispatch_staged.cu: a loader warp bulk-loads
+ * rows into a ring, store warps store them; combine as the vector form). A case a form
+ * cannot take runs the vector kernels.
  */
-enum { EPX_CUDA_KERNELS_VECTOR = 1, EPX_CUDA_KERNELS_BULK = 2 };
+enum { EPX_CUDA_KERNELS_VECTOR = 1, EPX_CUDA_KERNELS_BULK = 2, EPX_CUDA_KERNELS_STAGED = 3 };
 
 /* Where a device-side wait or check was when it failed (named in host messages). */
 typedef enum {
@@ -420,6 +422,10 @@ cudaError_t epx__cuda_launch_dispatch(const epx__cuda_shape_t *shape,
 cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *shape,
                                            const epx__cuda_dispatch_args_t *args,
                                            cudaStream_t stream, int *launched);
+/* The staged form; *launched = 0 (and nothing queued) when the case does not fit it. */
+cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t *shape,
+                                             const epx__cuda_dispatch_args_t *args,
+                                             cudaStream_t stream, int *launched);
 
 /* ---------------------------------------------------------------- combine */
 

@@ -1,0 +1,323 @@
+/*
+ * Dispatch data kernel, staged form (EPX_NORMAL_KERNELS=3). What it moves, where rows
+ * land, the fresh-mode row rewrite and the signals are those of dispatch.cu (read its
+ * comment first); only who moves the bytes differs.
+ *
+ * Roles: each block has one loader warp and EPX_STAGED_STORERS store warps around a ring
+ * of `stages` row slots in shared memory (one mbarrier "full" and one "empty" a slot).
+ * The loader takes tokens by ticket (several at once when rows are small), reads each
+ * one's routing and first 32 top-k entries once (rewriting the routing in fresh mode),
+ * writes them into the slot and starts a bulk load (TMA) of the row and its scales into
+ * it (scales that cannot travel with the row it stores itself). The store warps take
+ * every slot in turn: each stores its share of the row (16-byte vectors from shared
+ * memory) to every destination, one of them (turning with the slots) the top-k entries
+ * rewritten for each destination, then each releases the slot. So no
+ * warp's stores wait for its own loads, the loads of up to `stages` tokens are in flight
+ * at once, and a token's bookkeeping is done once per block, not once per warp.
+ * Measured as a copy alone (`epx bench --mode fanout`, row `staged`; docs/PERFORMANCE.md
+ * "Loads and stores split between warps").
+ *
+ * Signals: as dispatch.cu (the last block raises and awaits the data flags).
+ *
+ * Buffer use: as dispatch.cu. Shared memory: stages x (row + scales, rounded to 128
+ * bytes), at most EPX_BULK_RING_BYTES a block, plus each slot's routing. Falls back to
+ * the vector kernel when x rows are not 16-byte aligned or two slots do not fit.
+ */
+#include "bulk.cuh"
+#include "dispatch_parts.cuh"
+#include "signal.cuh"
+
+/* Store warps a block (the loader is one more). */
+#define EPX_STAGED_STORERS (EPX_CUDA_THREADS / 32)
+#define EPX_STAGED_THREADS (EPX_CUDA_THREADS + 32)
+/* Slots of the ring at most. */
+#define EPX_STAGED_SLOTS 8
+/* Tokens a loader takes per ticket: 4 while a row (with its scales) is at most this many
+ * bytes, else 1. Measured on the copy alone (one H200, 8 ranks, 8 SMs a rank): rows of
+ * 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower. */
+#define EPX_STAGED_SMALL_ROW 8192
+
+typedef struct {
+    int stages;
+    int bulk_scales;     /* fp8 scales contiguous and aligned: they travel with the row */
+    int64_t scale_bytes; /* num_scales * 4 */
+    int64_t slot_bytes;  /* row (+ scales), rounded up to 128 */
+} epx_staged_ring_t;
+
+/* The ring's shared state: barriers, and each slot's token routing. */
+typedef struct {
+    uint64_t full[EPX_STAGED_SLOTS];  /* the loader's arrival + the slot's bytes */
+    uint64_t empty[EPX_STAGED_SLOTS]; /* one arrival per store warp */
+    uint64_t mask[EPX_STAGED_SLOTS];  /* ranks receiving the slot's token; 0 = no more */
+    int64_t token[EPX_STAGED_SLOTS];
+    int32_t rows[EPX_STAGED_SLOTS][EPX_CUDA_MAX_RANKS]; /* the token's row at rank r */
+    int64_t ids[EPX_STAGED_SLOTS][32];  /* top-k entries 0..31 (epx_load_topk) */
+    float weights[EPX_STAGED_SLOTS][32];
+} epx_staged_state_t;
+
+/*
+ * Whole warp: 1 once `slot` is free for its lap `lap` (its store warps released the lap
+ * before), 0 when the wait gave up (recorded, naming token t). The outcome is made
+ * uniform (__all_sync), so the warp never splits.
+ */
+__device__ __forceinline__ int epx_staged_wait_free(const epx__cuda_shape_t &s,
+                                                    epx_staged_state_t &st, int slot,
+                                                    uint32_t lap, int64_t t, int lane)
+{
+    if (lap == 0)
+        return 1;
+    const int ok = __all_sync(0xffffffffu, epx_mbar_wait(&st.empty[slot], (lap - 1) & 1,
+                                                         s.timeout_ns, &s.local->failed));
+    if (!ok && lane == 0 && !epx_failed(s))
+        epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank, s.rank, 0,
+                           t, 1);
+    return ok;
+}
+
+/*
+ * The loader warp: every token of this block, then a last slot with an empty mask.
+ * Returns early only when a wait for a free slot gave up (recorded).
+ */
+__device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
+                                                const epx__cuda_dispatch_args_t &a,
+                                                const epx_staged_ring_t &g, epx_staged_state_t &st,
+                                                char *const *peers, const int32_t *bases,
+                                                char *ring)
+{
+    const int R = s.world_size, K = s.num_topk, lane = epx_lane();
+    const int64_t T = a.num_tokens;
+    const int64_t chunk = a.row_bytes + g.scale_bytes <= EPX_STAGED_SMALL_ROW ? 4 : 1;
+    uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS];
+    /* Tokens [t, end) are this block's; `ticket` is its next chunk's, taken a chunk ahead
+     * so that the atomic's latency hides behind the tokens. */
+    uint32_t ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
+    int64_t t = static_cast<int64_t>(__shfl_sync(0xffffffffu, ticket, 0)) * chunk;
+    int64_t end = t + chunk;
+    ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
+
+    /* Token t's routing and top-k entries, read one token ahead. */
+    int32_t first = -1, second = -1;
+    int64_t id = -1;
+    float weight = 0.0f;
+    if (t < T) {
+        epx_bulk_load_route(a, R, t, lane, &first, &second);
+        epx_load_topk(a, K, t, lane, &id, &weight);
+    }
+    int slot = 0;
+    uint32_t lap = 0;
+    while (t < T) {
+        int64_t next = t + 1;
+        if (next == end) {
+            next = static_cast<int64_t>(__shfl_sync(0xffffffffu, ticket, 0)) * chunk;
+            end = next + chunk;
+            ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
+        }
+        int32_t next_first = -1, next_second = -1;
+        int64_t next_id = -1;
+        float next_weight = 0.0f;
+        if (next < T) {
+            epx_bulk_load_route(a, R, next, lane, &next_first, &next_second);
+            epx_load_topk(a, K, next, lane, &next_id, &next_weight);
+        }
+
+        if (a.fresh) {
+            if (first >= 0) {
+                first += bases[lane];
+                a.send_row[t * R + lane] = first;
+            }
+            if (second >= 0) {
+                second += bases[lane + 32];
+                a.send_row[t * R + lane + 32] = second;
+            }
+        }
+        const uint64_t mask = static_cast<uint64_t>(__ballot_sync(0xffffffffu, first >= 0)) |
+                              static_cast<uint64_t>(__ballot_sync(0xffffffffu, second >= 0))
+                                  << 32;
+        if (mask != 0) {
+            if (!epx_staged_wait_free(s, st, slot, lap, t, lane))
+                return;
+            if (first >= 0)
+                st.rows[slot][lane] = first;
+            if (second >= 0)
+                st.rows[slot][lane + 32] = second;
+            st.ids[slot][lane] = id;
+            st.weights[slot][lane] = weight;
+            __syncwarp();
+            if (a.num_scales > 0 && !g.bulk_scales)
+                epx_dispatch_store_parts(s, a, peers, mask, st.rows[slot], t, 1, 0, id, weight,
+                                         lane);
+            if (lane == 0) {
+                st.mask[slot] = mask;
+                st.token[slot] = t;
+                char *dst = ring + slot * g.slot_bytes;
+                const int64_t bytes = a.row_bytes + (g.bulk_scales ? g.scale_bytes : 0);
+                epx_bulk_fence_shared();
+                epx_mbar_arrive_expect(&st.full[slot], static_cast<uint32_t>(bytes));
+                epx_bulk_load(dst, static_cast<const char *>(a.x) + t * a.x_stride,
+                              static_cast<uint32_t>(a.row_bytes), &st.full[slot]);
+                if (g.bulk_scales)
+                    epx_bulk_load(dst + a.row_bytes, a.scales + t * a.scales_stride,
+                                  static_cast<uint32_t>(g.scale_bytes), &st.full[slot]);
+            }
+            __syncwarp();
+            if (++slot == g.stages) {
+                slot = 0;
+                lap++;
+            }
+        }
+        t = next;
+        first = next_first;
+        second = next_second;
+        id = next_id;
+        weight = next_weight;
+    }
+    /* No more tokens: the store warps stop at this slot. */
+    if (!epx_staged_wait_free(s, st, slot, lap, T, lane))
+        return;
+    if (lane == 0) {
+        st.mask[slot] = 0;
+        epx_mbar_arrive_expect(&st.full[slot], 0);
+    }
+}
+
+/*
+ * A store warp: every slot in turn until one with an empty mask, its share of the row
+ * (and scales) to each destination. A thread's first unit turns by a quarter of the
+ * block each slot, so the units past a multiple of the block are not always the same
+ * warps'. Returns early only when a wait for a slot gave up (recorded).
+ */
+__device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
+                                                 const epx__cuda_dispatch_args_t &a,
+                                                 const epx_staged_ring_t &g,
+                                                 epx_staged_state_t &st, char *const *peers,
+                                                 const char *ring)
+{
+    const int units = static_cast<int>(a.row_bytes / 16), lane = epx_lane();
+    const int scale_units = g.bulk_scales ? static_cast<int>(g.scale_bytes / 16) : 0;
+    int slot = 0;
+    uint32_t lap = 0;
+    for (int k = 0;; k++) {
+        if (!__all_sync(0xffffffffu,
+                        epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed))) {
+            if (lane == 0 && !epx_failed(s))
+                epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
+                                   s.rank, 0, k, 3);
+            return;
+        }
+        const uint64_t mask = st.mask[slot];
+        if (mask == 0)
+            return;
+        const int32_t *rows = st.rows[slot];
+        const char *in = ring + slot * g.slot_bytes;
+        const int me = (static_cast<int>(threadIdx.x) + (k & 3) * (EPX_CUDA_THREADS / 4)) &
+                       (EPX_CUDA_THREADS - 1);
+        for (int u0 = me; u0 < units; u0 += 4 * EPX_CUDA_THREADS) {
+            int4 v[4];
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                if (u0 + q * EPX_CUDA_THREADS < units)
+                    v[q] = reinterpret_cast<const int4 *>(in)[u0 + q * EPX_CUDA_THREADS];
+            for (uint64_t m = mask; m != 0; m &= m - 1) {
+                const int r = __ffsll(static_cast<long long>(m)) - 1;
+                char *dst = peers[r] + s.off_x + static_cast<int64_t>(rows[r]) * a.recv_pitch +
+                            static_cast<int64_t>(u0) * 16;
+#pragma unroll
+                for (int q = 0; q < 4; q++)
+                    if (u0 + q * EPX_CUDA_THREADS < units)
+                        epx_st_v4(dst + q * EPX_CUDA_THREADS * 16, v[q]);
+            }
+        }
+        if ((k & (EPX_STAGED_STORERS - 1)) == epx_warp())
+            epx_dispatch_store_parts(s, a, peers, mask, rows, st.token[slot], 0, 1,
+                                     st.ids[slot][lane], st.weights[slot][lane], lane);
+        if (me < scale_units) {
+            const int4 v = reinterpret_cast<const int4 *>(in + a.row_bytes)[me];
+            for (uint64_t m = mask; m != 0; m &= m - 1) {
+                const int r = __ffsll(static_cast<long long>(m)) - 1;
+                epx_st_v4(peers[r] + s.off_scales + static_cast<int64_t>(rows[r]) * g.scale_bytes +
+                              static_cast<int64_t>(me) * 16,
+                          v);
+            }
+        }
+        __syncwarp();
+        if (lane == 0)
+            epx_mbar_arrive(&st.empty[slot]);
+        if (++slot == g.stages) {
+            slot = 0;
+            lap++;
+        }
+    }
+}
+
+__global__ void __launch_bounds__(EPX_STAGED_THREADS)
+    epx_dispatch_staged_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a,
+                               epx_staged_ring_t g)
+{
+    extern __shared__ __align__(128) char ring[];
+    __shared__ epx_staged_state_t st;
+    __shared__ char *peers[EPX_CUDA_MAX_RANKS];
+    __shared__ int32_t bases[EPX_CUDA_MAX_RANKS];
+    __shared__ int last;
+
+    /* Launched early (epx_launch_early): the count exchange's results first. */
+    epx_wait_previous();
+    const int R = s.world_size;
+    const uint64_t seq = epx_op_seq(s);
+    /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
+    if (epx_failed(s))
+        return;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        peers[r] = epx_peer(s, r);
+        bases[r] = s.local->base[r];
+    }
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < g.stages; i++) {
+            epx_mbar_init(&st.full[i], 1);
+            epx_mbar_init(&st.empty[i], EPX_STAGED_STORERS);
+        }
+        epx_mbar_init_fence();
+    }
+    __syncthreads();
+    if (epx_warp() < EPX_STAGED_STORERS)
+        epx_staged_store(s, a, g, st, peers, ring);
+    else
+        epx_staged_load(s, a, g, st, peers, bases, ring);
+
+    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
+        return;
+    epx_finish_exchange(s, offsetof(epx__cuda_slot_t, data_flag), seq, EPX_CUDA_STAGE_DISPATCH);
+}
+
+extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t *shape,
+                                                        const epx__cuda_dispatch_args_t *args,
+                                                        cudaStream_t stream, int *launched)
+{
+    *launched = 0;
+    const epx__cuda_dispatch_args_t *a = args;
+    if (!epx_dispatch_ring_fits(shape, a))
+        return cudaSuccess;
+    epx_staged_ring_t g = {};
+    g.scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
+    g.bulk_scales = epx_dispatch_bulk_scales(shape, a);
+    g.slot_bytes = epx_bulk_round_up(a->row_bytes + (g.bulk_scales ? g.scale_bytes : 0), 128);
+    const void *kernel = reinterpret_cast<const void *>(epx_dispatch_staged_kernel);
+    int64_t budget = 0;
+    cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
+    if (err != cudaSuccess)
+        return err;
+    int64_t stages = budget / g.slot_bytes;
+    if (stages > EPX_STAGED_SLOTS)
+        stages = EPX_STAGED_SLOTS;
+    if (stages < 2)
+        return cudaSuccess;
+    g.stages = static_cast<int>(stages);
+    const int64_t ring_bytes = stages * g.slot_bytes;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(ring_bytes));
+    if (err != cudaSuccess)
+        return err;
+    *launched = 1;
+    return epx_launch_early(epx_dispatch_staged_kernel, dim3(a->num_blocks),
+                            dim3(EPX_STAGED_THREADS), static_cast<size_t>(ring_bytes), stream,
+                            *shape, *args, g);
+}
