@@ -119,8 +119,8 @@ typedef enum {
     EPX_FANOUT_BULK = 2,
     /* Loads and stores split between warps: one warp per block bulk-loads rows (TMA) into
      * a ring in shared memory, the block's other 16 warps store each row from there to
-     * every destination with 16-byte vectors (needs sm_90; no dispatch kernel moves
-     * rows this way yet). */
+     * every destination with 16-byte vectors: that of the staged dispatch kernel
+     * (EPX_NORMAL_KERNELS=3; needs sm_90). */
     EPX_FANOUT_STAGED = 3,
 } epx_fanout_kernel_t;
 

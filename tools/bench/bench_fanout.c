@@ -12,8 +12,8 @@
  *                   shared-memory budget; bulk_2 with two row slots per warp (fewer
  *                   bytes in flight: how much the ring's depth matters)
  *   staged          one warp a block bulk-loads rows into a ring in shared memory, the
- *                   other 16 store them from there (no dispatch kernel's yet: the
- *                   candidate); staged_4 with four row slots instead of eight
+ *                   other 16 store them from there (the staged dispatch kernel's,
+ *                   EPX_NORMAL_KERNELS=3); staged_4 with four row slots instead of eight
  *   vector, bulk, staged  the same with fanout 1: a plain copy of each row
  *   copy_engine     no SMs: each rank copies fanout x tokens rows with cudaMemcpyAsync,
  *                   all ranks at once (what combine from a tensor outside the buffer must

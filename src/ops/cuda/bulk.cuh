@@ -1,8 +1,8 @@
 /*
  * Bulk copies through shared memory (sm_90 TMA, `cp.async.bulk`): the helpers of the
- * bulk-copy kernels (EPX_NORMAL_KERNELS=2: dispatch_bulk.cu, combine_bulk.cu, and the
- * fan-out microbenchmark in copy_fanout.cu). Every kernel file uses these instead of
- * writing its own inline PTX.
+ * bulk-copy kernels (EPX_NORMAL_KERNELS=2: dispatch_bulk.cu, combine_bulk.cu), the staged
+ * dispatch (EPX_NORMAL_KERNELS=3: dispatch_staged.cu) and the fan-out microbenchmark in
+ * copy_fanout.cu. Every kernel file uses these instead of writing its own inline PTX.
  *
  * The pattern: a ring of stages in shared memory, one mbarrier per stage. One thread
  * arms a stage's barrier with the bytes it expects and starts bulk loads (global ->

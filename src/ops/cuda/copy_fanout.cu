@@ -1,9 +1,8 @@
 /*
  * The fan-out copy of normal-mode dispatch alone (epx_fanout_copy, include/epx_tool.h),
  * for `epx bench --mode fanout`: how fast this access pattern can go on the machine,
- * with the same SM budget and the two ways of moving bytes of the dispatch kernels (and a
- * third, staged, that no dispatch kernel uses yet), and none of their routing, bookkeeping
- * or signals.
+ * with the same SM budget and the three ways of moving bytes of the dispatch kernels
+ * (vector, bulk, staged), and none of their routing, bookkeeping or signals.
  *
  * What moves: row i of src to k_i ranks, (rank + i + j) mod R for j < k_i, at row
  * first_row + i of each one's combine-input region (the memory peers map by CUDA IPC).
@@ -21,8 +20,9 @@
  * stores wait for its own loads, and a row's bookkeeping is done once per block.
  *
  * Signals: none. The caller orders the copy against everything else (barriers, stream
- * synchronisation). The only wait, for a local bulk load, gives up after the group's
- * timeout and records the failure.
+ * synchronisation). The waits, inside a block only (for a local bulk load; the staged
+ * kernel's store warps for a slot, its loader for a free one), give up after the group's
+ * timeout and record the failure.
  */
 #include "epx_tool.h"
 
@@ -147,8 +147,10 @@ __device__ __forceinline__ void epx_fanout_store_rows(const epx__cuda_shape_t &s
     int slot = 0;
     uint32_t lap = 0;
     for (int k = 0;; k++) {
-        if (!epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed)) {
-            if (!epx_failed(s))
+        /* The whole warp's outcome (__all_sync), so the warp never splits. */
+        if (!__all_sync(0xffffffffu,
+                        epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed))) {
+            if (lane == 0 && !epx_failed(s))
                 epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
                                    s.rank, 0, k, 0);
             return;

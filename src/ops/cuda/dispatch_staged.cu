@@ -86,7 +86,8 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
 {
     const int R = s.world_size, K = s.num_topk, lane = epx_lane();
     const int64_t T = a.num_tokens;
-    const int64_t chunk = a.row_bytes + g.scale_bytes <= EPX_STAGED_SMALL_ROW ? 4 : 1;
+    const int64_t chunk =
+        a.row_bytes + (g.bulk_scales ? g.scale_bytes : 0) <= EPX_STAGED_SMALL_ROW ? 4 : 1;
     uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS];
     /* Tokens [t, end) are this block's; `ticket` is its next chunk's, taken a chunk ahead
      * so that the atomic's latency hides behind the tokens. */
@@ -200,8 +201,9 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
         if (!__all_sync(0xffffffffu,
                         epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed))) {
             if (lane == 0 && !epx_failed(s))
+                /* index: the slots this warp had taken (no token is known here) */
                 epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
-                                   s.rank, 0, k, 3);
+                                   s.rank, 0, k, 1);
             return;
         }
         const uint64_t mask = st.mask[slot];
