@@ -109,6 +109,24 @@ __device__ __forceinline__ int epx_mbar_wait(uint64_t *bar, uint32_t parity, int
     }
 }
 
+/* epx_mbar_wait by a whole warp, its outcome made uniform (every lane 1 only when every
+ * lane saw the phase complete), so the warp never splits over a failed wait. */
+__device__ __forceinline__ int epx_mbar_wait_warp(uint64_t *bar, uint32_t parity,
+                                                  int64_t timeout_ns, const int32_t *failed)
+{
+    return __all_sync(0xffffffffu, epx_mbar_wait(bar, parity, timeout_ns, failed));
+}
+
+/* The next slot of a ring of `stages` slots, its lap counted (a slot's barrier phase is
+ * its lap's parity). */
+__device__ __forceinline__ void epx_ring_advance(int *slot, uint32_t *lap, int stages)
+{
+    if (++*slot == stages) {
+        *slot = 0;
+        ++*lap;
+    }
+}
+
 /* ---------------------------------------------------------------- bulk copies */
 
 /* global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned),

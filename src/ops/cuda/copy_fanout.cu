@@ -129,10 +129,7 @@ __device__ __forceinline__ void epx_fanout_stage_rows(const epx__cuda_shape_t &s
         epx_bulk_load(ring + slot * slot_bytes, static_cast<const char *>(a.src) + row * a.src_pitch,
                       bytes, &st.full[slot]);
         row++;
-        if (++slot == stages) {
-            slot = 0;
-            lap++;
-        }
+        epx_ring_advance(&slot, &lap, stages);
     }
 }
 
@@ -147,9 +144,7 @@ __device__ __forceinline__ void epx_fanout_store_rows(const epx__cuda_shape_t &s
     int slot = 0;
     uint32_t lap = 0;
     for (int k = 0;; k++) {
-        /* The whole warp's outcome (__all_sync), so the warp never splits. */
-        if (!__all_sync(0xffffffffu,
-                        epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed))) {
+        if (!epx_mbar_wait_warp(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed)) {
             if (lane == 0 && !epx_failed(s))
                 epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
                                    s.rank, 0, k, 0);
@@ -178,10 +173,7 @@ __device__ __forceinline__ void epx_fanout_store_rows(const epx__cuda_shape_t &s
         __syncwarp();
         if (lane == 0)
             epx_mbar_arrive(&st.empty[slot]);
-        if (++slot == stages) {
-            slot = 0;
-            lap++;
-        }
+        epx_ring_advance(&slot, &lap, stages);
     }
 }
 

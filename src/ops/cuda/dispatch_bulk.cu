@@ -31,14 +31,6 @@
 #include "dispatch_parts.cuh"
 #include "signal.cuh"
 
-typedef struct {
-    int stages;
-    int bulk_scales;     /* fp8 scales contiguous and aligned: they travel with the row */
-    int64_t scale_bytes; /* num_scales * 4 */
-    int64_t slot_bytes;  /* row (+ scales), rounded up to 128 */
-    int64_t route_bytes; /* one slot's routing: destination mask, then a row per rank */
-} epx_dispatch_ring_t;
-
 /* A slot's routing: which ranks receive the token, and its row at each of them. */
 __device__ __forceinline__ uint64_t *epx_route_mask(char *route)
 {
@@ -216,12 +208,9 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_bulk(const epx__cuda_shape_t *s
 {
     *launched = 0;
     const epx__cuda_dispatch_args_t *a = args;
-    if (!epx_dispatch_ring_fits(shape, a))
+    epx_dispatch_ring_t g;
+    if (!epx_dispatch_ring_plan(shape, a, &g))
         return cudaSuccess;
-    epx_dispatch_ring_t g = {};
-    g.scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
-    g.bulk_scales = epx_dispatch_bulk_scales(shape, a);
-    g.slot_bytes = epx_bulk_round_up(a->row_bytes + (g.bulk_scales ? g.scale_bytes : 0), 128);
     g.route_bytes = epx_bulk_round_up(8 + 4 * static_cast<int64_t>(shape->world_size), 16);
     int64_t budget = 0;
     cudaError_t err = epx_bulk_ring_budget(

@@ -2,11 +2,13 @@
  * The small parts of a dispatched token, shared by the ring kernels (dispatch_bulk.cu,
  * dispatch_staged.cu): its top-k entries rewritten for each destination (local expert
  * id, or -1 and weight 0 where the expert lives elsewhere) and, when they do not travel
- * with the row, its fp8 scales. What lands where is dispatch.cu's (read its comment).
+ * with the row, its fp8 scales; and the plan of their ring slots (launchers). What lands
+ * where is dispatch.cu's (read its comment).
  */
 #ifndef EPX_OPS_CUDA_DISPATCH_PARTS_CUH
 #define EPX_OPS_CUDA_DISPATCH_PARTS_CUH
 
+#include "bulk.cuh"
 #include "launch.h"
 
 /* Top-k id and weight `lane` of token t (-1 and 0 past K, or without top-k outputs). */
@@ -72,21 +74,36 @@ __device__ __forceinline__ void epx_dispatch_store_parts(const epx__cuda_shape_t
 
 /* ---------------------------------------------------------------- launchers */
 
-/* The ring kernels bulk-copy rows: x rows, the receive pitch and region 16-byte aligned. */
-static inline int epx_dispatch_ring_fits(const epx__cuda_shape_t *shape,
-                                         const epx__cuda_dispatch_args_t *a)
-{
-    return a->x_align >= 16 && a->row_bytes % 16 == 0 && a->recv_pitch % 16 == 0 &&
-           shape->off_x % 16 == 0;
-}
+/* A ring dispatch's slots, as its launcher plans them and its kernel reads them. */
+typedef struct {
+    int stages;
+    int bulk_scales;     /* fp8 scales contiguous and aligned: they travel with the row */
+    int64_t scale_bytes; /* num_scales * 4 */
+    int64_t slot_bytes;  /* row (+ scales), rounded up to 128 */
+    int64_t route_bytes; /* bulk form: one slot's routing (destination mask, then a row
+                          * per rank); 0 in the staged form, whose routing is static */
+} epx_dispatch_ring_t;
 
-/* The fp8 scales are contiguous and aligned, so they travel with the row. */
-static inline int epx_dispatch_bulk_scales(const epx__cuda_shape_t *shape,
-                                           const epx__cuda_dispatch_args_t *a)
+/*
+ * The slots of a ring dispatch for these arguments (stages and route_bytes left 0 for the
+ * launcher); 0 when the case does not fit a ring: the kernels bulk-copy rows, so x rows,
+ * the receive pitch and region must be 16-byte aligned.
+ */
+static inline int epx_dispatch_ring_plan(const epx__cuda_shape_t *shape,
+                                         const epx__cuda_dispatch_args_t *a,
+                                         epx_dispatch_ring_t *g)
 {
-    return a->num_scales > 0 && a->scales_col_stride == 1 && (a->num_scales * 4) % 16 == 0 &&
-           reinterpret_cast<uintptr_t>(a->scales) % 16 == 0 && (a->scales_stride * 4) % 16 == 0 &&
-           shape->off_scales >= 0 && shape->off_scales % 16 == 0;
+    *g = epx_dispatch_ring_t{};
+    if (a->x_align < 16 || a->row_bytes % 16 != 0 || a->recv_pitch % 16 != 0 ||
+        shape->off_x % 16 != 0)
+        return 0;
+    g->scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
+    g->bulk_scales = a->num_scales > 0 && a->scales_col_stride == 1 && g->scale_bytes % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(a->scales) % 16 == 0 &&
+                     (a->scales_stride * 4) % 16 == 0 && shape->off_scales >= 0 &&
+                     shape->off_scales % 16 == 0;
+    g->slot_bytes = epx_bulk_round_up(a->row_bytes + (g->bulk_scales ? g->scale_bytes : 0), 128);
+    return 1;
 }
 
 #endif /* EPX_OPS_CUDA_DISPATCH_PARTS_CUH */

@@ -37,13 +37,6 @@
  * 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower. */
 #define EPX_STAGED_SMALL_ROW 8192
 
-typedef struct {
-    int stages;
-    int bulk_scales;     /* fp8 scales contiguous and aligned: they travel with the row */
-    int64_t scale_bytes; /* num_scales * 4 */
-    int64_t slot_bytes;  /* row (+ scales), rounded up to 128 */
-} epx_staged_ring_t;
-
 /* The ring's shared state: barriers, and each slot's token routing. */
 typedef struct {
     uint64_t full[EPX_STAGED_SLOTS];  /* the loader's arrival + the slot's bytes */
@@ -57,8 +50,7 @@ typedef struct {
 
 /*
  * Whole warp: 1 once `slot` is free for its lap `lap` (its store warps released the lap
- * before), 0 when the wait gave up (recorded, naming token t). The outcome is made
- * uniform (__all_sync), so the warp never splits.
+ * before), 0 when the wait gave up (recorded, naming token t).
  */
 __device__ __forceinline__ int epx_staged_wait_free(const epx__cuda_shape_t &s,
                                                     epx_staged_state_t &st, int slot,
@@ -66,12 +58,32 @@ __device__ __forceinline__ int epx_staged_wait_free(const epx__cuda_shape_t &s,
 {
     if (lap == 0)
         return 1;
-    const int ok = __all_sync(0xffffffffu, epx_mbar_wait(&st.empty[slot], (lap - 1) & 1,
-                                                         s.timeout_ns, &s.local->failed));
+    const int ok =
+        epx_mbar_wait_warp(&st.empty[slot], (lap - 1) & 1, s.timeout_ns, &s.local->failed);
     if (!ok && lane == 0 && !epx_failed(s))
         epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank, s.rank, 0,
                            t, 1);
     return ok;
+}
+
+/* What the loader reads of a token before it fills a slot: lane's routing (ranks lane
+ * and lane + 32; -1 where not sent) and top-k entry `lane`. */
+typedef struct {
+    int32_t first, second;
+    int64_t id;
+    float weight;
+} epx_staged_token_t;
+
+/* Token t's routing and top-k entries (nothing sent, past the last token). */
+__device__ __forceinline__ epx_staged_token_t epx_staged_read(const epx__cuda_dispatch_args_t &a,
+                                                              int R, int K, int64_t t, int lane)
+{
+    epx_staged_token_t k = {-1, -1, -1, 0.0f};
+    if (t < a.num_tokens) {
+        epx_bulk_load_route(a, R, t, lane, &k.first, &k.second);
+        epx_load_topk(a, K, t, lane, &k.id, &k.weight);
+    }
+    return k;
 }
 
 /*
@@ -80,7 +92,7 @@ __device__ __forceinline__ int epx_staged_wait_free(const epx__cuda_shape_t &s,
  */
 __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
                                                 const epx__cuda_dispatch_args_t &a,
-                                                const epx_staged_ring_t &g, epx_staged_state_t &st,
+                                                const epx_dispatch_ring_t &g, epx_staged_state_t &st,
                                                 char *const *peers, const int32_t *bases,
                                                 char *ring)
 {
@@ -97,13 +109,7 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
     ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
 
     /* Token t's routing and top-k entries, read one token ahead. */
-    int32_t first = -1, second = -1;
-    int64_t id = -1;
-    float weight = 0.0f;
-    if (t < T) {
-        epx_bulk_load_route(a, R, t, lane, &first, &second);
-        epx_load_topk(a, K, t, lane, &id, &weight);
-    }
+    epx_staged_token_t cur = epx_staged_read(a, R, K, t, lane);
     int slot = 0;
     uint32_t lap = 0;
     while (t < T) {
@@ -113,14 +119,8 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
             end = next + chunk;
             ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
         }
-        int32_t next_first = -1, next_second = -1;
-        int64_t next_id = -1;
-        float next_weight = 0.0f;
-        if (next < T) {
-            epx_bulk_load_route(a, R, next, lane, &next_first, &next_second);
-            epx_load_topk(a, K, next, lane, &next_id, &next_weight);
-        }
-
+        const epx_staged_token_t ahead = epx_staged_read(a, R, K, next, lane);
+        int32_t first = cur.first, second = cur.second;
         if (a.fresh) {
             if (first >= 0) {
                 first += bases[lane];
@@ -141,12 +141,12 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
                 st.rows[slot][lane] = first;
             if (second >= 0)
                 st.rows[slot][lane + 32] = second;
-            st.ids[slot][lane] = id;
-            st.weights[slot][lane] = weight;
+            st.ids[slot][lane] = cur.id;
+            st.weights[slot][lane] = cur.weight;
             __syncwarp();
             if (a.num_scales > 0 && !g.bulk_scales)
-                epx_dispatch_store_parts(s, a, peers, mask, st.rows[slot], t, 1, 0, id, weight,
-                                         lane);
+                epx_dispatch_store_parts(s, a, peers, mask, st.rows[slot], t, 1, 0, cur.id,
+                                         cur.weight, lane);
             if (lane == 0) {
                 st.mask[slot] = mask;
                 st.token[slot] = t;
@@ -161,16 +161,10 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
                                   static_cast<uint32_t>(g.scale_bytes), &st.full[slot]);
             }
             __syncwarp();
-            if (++slot == g.stages) {
-                slot = 0;
-                lap++;
-            }
+            epx_ring_advance(&slot, &lap, g.stages);
         }
         t = next;
-        first = next_first;
-        second = next_second;
-        id = next_id;
-        weight = next_weight;
+        cur = ahead;
     }
     /* No more tokens: the store warps stop at this slot. */
     if (!epx_staged_wait_free(s, st, slot, lap, T, lane))
@@ -189,7 +183,7 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
  */
 __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
                                                  const epx__cuda_dispatch_args_t &a,
-                                                 const epx_staged_ring_t &g,
+                                                 const epx_dispatch_ring_t &g,
                                                  epx_staged_state_t &st, char *const *peers,
                                                  const char *ring)
 {
@@ -198,8 +192,7 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
     int slot = 0;
     uint32_t lap = 0;
     for (int k = 0;; k++) {
-        if (!__all_sync(0xffffffffu,
-                        epx_mbar_wait(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed))) {
+        if (!epx_mbar_wait_warp(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed)) {
             if (lane == 0 && !epx_failed(s))
                 /* index: the slots this warp had taken (no token is known here) */
                 epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
@@ -244,16 +237,13 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
         __syncwarp();
         if (lane == 0)
             epx_mbar_arrive(&st.empty[slot]);
-        if (++slot == g.stages) {
-            slot = 0;
-            lap++;
-        }
+        epx_ring_advance(&slot, &lap, g.stages);
     }
 }
 
 __global__ void __launch_bounds__(EPX_STAGED_THREADS)
     epx_dispatch_staged_kernel(epx__cuda_shape_t s, epx__cuda_dispatch_args_t a,
-                               epx_staged_ring_t g)
+                               epx_dispatch_ring_t g)
 {
     extern __shared__ __align__(128) char ring[];
     __shared__ epx_staged_state_t st;
@@ -296,12 +286,9 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t 
 {
     *launched = 0;
     const epx__cuda_dispatch_args_t *a = args;
-    if (!epx_dispatch_ring_fits(shape, a))
+    epx_dispatch_ring_t g;
+    if (!epx_dispatch_ring_plan(shape, a, &g))
         return cudaSuccess;
-    epx_staged_ring_t g = {};
-    g.scale_bytes = static_cast<int64_t>(a->num_scales) * 4;
-    g.bulk_scales = epx_dispatch_bulk_scales(shape, a);
-    g.slot_bytes = epx_bulk_round_up(a->row_bytes + (g.bulk_scales ? g.scale_bytes : 0), 128);
     const void *kernel = reinterpret_cast<const void *>(epx_dispatch_staged_kernel);
     int64_t budget = 0;
     cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
