@@ -114,7 +114,7 @@ void epx__log_set_rank(int rank);
       "Longest epx_group_barrier (TCP bootstrap, read on rank 0) holds a rank so that the " \
       "ranks on rank 0's host leave it together; 0 = each leaves when rank 0's answer "     \
       "reaches it")                                                                         \
-    X(NORMAL_KERNELS, INT, 1, 1, 3,                                                         \
+    X(NORMAL_KERNELS, INT, 3, 1, 3,                                                         \
       "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings, " \
       "3 = staged dispatch (a loader warp, store warps) with the vector combine")          \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \

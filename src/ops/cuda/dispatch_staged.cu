@@ -27,15 +27,26 @@
 #include "dispatch_parts.cuh"
 #include "signal.cuh"
 
-/* Store warps a block (the loader is one more). */
+/* Pipes a block: each a loader warp, its store warps and its own ring. */
+#define EPX_STAGED_PIPES 2
+/* Store warps a block, and a pipe's (a loader warp each pipe comes on top). */
 #define EPX_STAGED_STORERS (EPX_CUDA_THREADS / 32)
-#define EPX_STAGED_THREADS (EPX_CUDA_THREADS + 32)
+#define EPX_STAGED_PIPE_WARPS (EPX_STAGED_STORERS / EPX_STAGED_PIPES)
+#define EPX_STAGED_PIPE_THREADS (EPX_CUDA_THREADS / EPX_STAGED_PIPES)
+#define EPX_STAGED_THREADS (EPX_CUDA_THREADS + 32 * EPX_STAGED_PIPES)
 /* Slots of the ring at most. */
 #define EPX_STAGED_SLOTS 8
 /* Tokens a loader takes per ticket: 4 while a row (with its scales) is at most this many
  * bytes, else 1. Measured on the copy alone (one H200, 8 ranks, 8 SMs a rank): rows of
  * 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower. */
 #define EPX_STAGED_SMALL_ROW 8192
+/* Tokens whose routing and top-k entries the loader has in flight (read ahead), and
+ * tickets it has taken ahead of the chunk it works on. Measured on one H200 with 8 SMs a
+ * rank (docs/PERFORMANCE.md, "The staged dispatch's loader"): with the stores running, a
+ * load takes 1.5-2 us to return, longer than a bf16 token's turn, so one token ahead
+ * left the loader waiting for each token's routing. */
+#define EPX_STAGED_AHEAD 4
+#define EPX_STAGED_TICKETS 4
 
 /* The ring's shared state: barriers, and each slot's token routing. */
 typedef struct {
@@ -43,6 +54,8 @@ typedef struct {
     uint64_t empty[EPX_STAGED_SLOTS]; /* one arrival per store warp */
     uint64_t mask[EPX_STAGED_SLOTS];  /* ranks receiving the slot's token; 0 = no more */
     int64_t token[EPX_STAGED_SLOTS];
+    int32_t count[EPX_STAGED_SLOTS];                  /* ranks receiving it */
+    char *dst[EPX_STAGED_SLOTS][EPX_CUDA_MAX_RANKS];  /* the row's place at each of them */
     int32_t rows[EPX_STAGED_SLOTS][EPX_CUDA_MAX_RANKS]; /* the token's row at rank r */
     int64_t ids[EPX_STAGED_SLOTS][32];  /* top-k entries 0..31 (epx_load_topk) */
     float weights[EPX_STAGED_SLOTS][32];
@@ -66,9 +79,10 @@ __device__ __forceinline__ int epx_staged_wait_free(const epx__cuda_shape_t &s,
     return ok;
 }
 
-/* What the loader reads of a token before it fills a slot: lane's routing (ranks lane
+/* What the loader reads of token t before it fills a slot: lane's routing (ranks lane
  * and lane + 32; -1 where not sent) and top-k entry `lane`. */
 typedef struct {
+    int64_t t;
     int32_t first, second;
     int64_t id;
     float weight;
@@ -78,12 +92,58 @@ typedef struct {
 __device__ __forceinline__ epx_staged_token_t epx_staged_read(const epx__cuda_dispatch_args_t &a,
                                                               int R, int K, int64_t t, int lane)
 {
-    epx_staged_token_t k = {-1, -1, -1, 0.0f};
+    epx_staged_token_t k = {t, -1, -1, -1, 0.0f};
     if (t < a.num_tokens) {
         epx_bulk_load_route(a, R, t, lane, &k.first, &k.second);
         epx_load_topk(a, K, t, lane, &k.id, &k.weight);
     }
     return k;
+}
+
+/*
+ * The order in which the loader takes tokens: chunks of `chunk` consecutive tokens, one
+ * chunk a ticket (a grid-wide counter), the tickets taken EPX_STAGED_TICKETS chunks ahead
+ * so that an atomic's latency hides behind the tokens (one thread takes them all, so they
+ * come in the order taken). Past the last token the order goes on
+ * (tokens >= num_tokens, which read nothing); tickets only grow, so it never comes back.
+ */
+typedef struct {
+    uint32_t *tickets;
+    int64_t chunk, t, end;
+    uint32_t ticket[EPX_STAGED_TICKETS]; /* lane 0's: the next chunks', in order */
+} epx_staged_order_t;
+
+__device__ __forceinline__ uint32_t epx_staged_ticket(uint32_t *tickets, int lane)
+{
+    return lane == 0 ? atomicAdd(tickets, 1u) : 0u;
+}
+
+__device__ __forceinline__ void epx_staged_order_start(epx_staged_order_t *o, uint32_t *tickets,
+                                                       int64_t chunk, int lane)
+{
+    o->tickets = tickets;
+    o->chunk = chunk;
+    const uint32_t first = epx_staged_ticket(tickets, lane);
+#pragma unroll
+    for (int i = 0; i < EPX_STAGED_TICKETS; i++)
+        o->ticket[i] = epx_staged_ticket(tickets, lane);
+    o->t = static_cast<int64_t>(__shfl_sync(0xffffffffu, first, 0)) * chunk;
+    o->end = o->t + chunk;
+}
+
+/* Whole warp: the next token in the order. */
+__device__ __forceinline__ int64_t epx_staged_order_next(epx_staged_order_t *o, int lane)
+{
+    const int64_t t = o->t;
+    if (++o->t == o->end) {
+        o->t = static_cast<int64_t>(__shfl_sync(0xffffffffu, o->ticket[0], 0)) * o->chunk;
+        o->end = o->t + o->chunk;
+#pragma unroll
+        for (int i = 0; i + 1 < EPX_STAGED_TICKETS; i++)
+            o->ticket[i] = o->ticket[i + 1];
+        o->ticket[EPX_STAGED_TICKETS - 1] = epx_staged_ticket(o->tickets, lane);
+    }
+    return t;
 }
 
 /*
@@ -98,36 +158,39 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
 {
     const int R = s.world_size, K = s.num_topk, lane = epx_lane();
     const int64_t T = a.num_tokens;
-    const int64_t chunk =
-        a.row_bytes + (g.bulk_scales ? g.scale_bytes : 0) <= EPX_STAGED_SMALL_ROW ? 4 : 1;
-    uint32_t *tickets = &s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS];
-    /* Tokens [t, end) are this block's; `ticket` is its next chunk's, taken a chunk ahead
-     * so that the atomic's latency hides behind the tokens. */
-    uint32_t ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
-    int64_t t = static_cast<int64_t>(__shfl_sync(0xffffffffu, ticket, 0)) * chunk;
-    int64_t end = t + chunk;
-    ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
-
-    /* Token t's routing and top-k entries, read one token ahead. */
-    epx_staged_token_t cur = epx_staged_read(a, R, K, t, lane);
+    epx_staged_order_t order;
+    epx_staged_order_start(
+        &order, &s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH_TOKENS],
+        a.row_bytes + (g.bulk_scales ? g.scale_bytes : 0) <= EPX_STAGED_SMALL_ROW ? 4 : 1, lane);
+    /* Lane's two ranks' first receive row and memory, kept in registers: shared-memory
+     * reads wait behind the store warps' traffic. */
+    const int32_t base_first = lane < R ? bases[lane] : 0;
+    const int32_t base_second = lane + 32 < R ? bases[lane + 32] : 0;
+    char *const to_first = lane < R ? peers[lane] + s.off_x : nullptr;
+    char *const to_second = lane + 32 < R ? peers[lane + 32] + s.off_x : nullptr;
+    /* The next EPX_STAGED_AHEAD tokens' routing and top-k entries, in flight. */
+    epx_staged_token_t ahead[EPX_STAGED_AHEAD];
+#pragma unroll
+    for (int i = 0; i < EPX_STAGED_AHEAD; i++)
+        ahead[i] = epx_staged_read(a, R, K, epx_staged_order_next(&order, lane), lane);
     int slot = 0;
     uint32_t lap = 0;
-    while (t < T) {
-        int64_t next = t + 1;
-        if (next == end) {
-            next = static_cast<int64_t>(__shfl_sync(0xffffffffu, ticket, 0)) * chunk;
-            end = next + chunk;
-            ticket = lane == 0 ? atomicAdd(tickets, 1u) : 0u;
-        }
-        const epx_staged_token_t ahead = epx_staged_read(a, R, K, next, lane);
+    while (ahead[0].t < T) {
+        const epx_staged_token_t cur = ahead[0];
+        const int64_t t = cur.t;
+#pragma unroll
+        for (int i = 0; i + 1 < EPX_STAGED_AHEAD; i++)
+            ahead[i] = ahead[i + 1];
+        ahead[EPX_STAGED_AHEAD - 1] =
+            epx_staged_read(a, R, K, epx_staged_order_next(&order, lane), lane);
         int32_t first = cur.first, second = cur.second;
         if (a.fresh) {
             if (first >= 0) {
-                first += bases[lane];
+                first += base_first;
                 a.send_row[t * R + lane] = first;
             }
             if (second >= 0) {
-                second += bases[lane + 32];
+                second += base_second;
                 a.send_row[t * R + lane + 32] = second;
             }
         }
@@ -137,10 +200,18 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
         if (mask != 0) {
             if (!epx_staged_wait_free(s, st, slot, lap, t, lane))
                 return;
-            if (first >= 0)
+            /* Each destination's place, in rank order, so the store warps read them all
+             * at once instead of one lookup per destination between their stores. */
+            if (first >= 0) {
                 st.rows[slot][lane] = first;
-            if (second >= 0)
+                st.dst[slot][__popcll(mask & ((1ull << lane) - 1))] =
+                    to_first + static_cast<int64_t>(first) * a.recv_pitch;
+            }
+            if (second >= 0) {
                 st.rows[slot][lane + 32] = second;
+                st.dst[slot][__popcll(mask & ((1ull << (lane + 32)) - 1))] =
+                    to_second + static_cast<int64_t>(second) * a.recv_pitch;
+            }
             st.ids[slot][lane] = cur.id;
             st.weights[slot][lane] = cur.weight;
             __syncwarp();
@@ -149,6 +220,7 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
                                          cur.weight, lane);
             if (lane == 0) {
                 st.mask[slot] = mask;
+                st.count[slot] = __popcll(mask);
                 st.token[slot] = t;
                 char *dst = ring + slot * g.slot_bytes;
                 const int64_t bytes = a.row_bytes + (g.bulk_scales ? g.scale_bytes : 0);
@@ -163,8 +235,6 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
             __syncwarp();
             epx_ring_advance(&slot, &lap, g.stages);
         }
-        t = next;
-        cur = ahead;
     }
     /* No more tokens: the store warps stop at this slot. */
     if (!epx_staged_wait_free(s, st, slot, lap, T, lane))
@@ -185,7 +255,7 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
                                                  const epx__cuda_dispatch_args_t &a,
                                                  const epx_dispatch_ring_t &g,
                                                  epx_staged_state_t &st, char *const *peers,
-                                                 const char *ring)
+                                                 const char *ring, int warp, int thread)
 {
     const int units = static_cast<int>(a.row_bytes / 16), lane = epx_lane();
     const int scale_units = g.bulk_scales ? static_cast<int>(g.scale_bytes / 16) : 0;
@@ -203,26 +273,36 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
         if (mask == 0)
             return;
         const int32_t *rows = st.rows[slot];
+        const int count = st.count[slot];
         const char *in = ring + slot * g.slot_bytes;
-        const int me = (static_cast<int>(threadIdx.x) + (k & 3) * (EPX_CUDA_THREADS / 4)) &
-                       (EPX_CUDA_THREADS - 1);
-        for (int u0 = me; u0 < units; u0 += 4 * EPX_CUDA_THREADS) {
+        const int me = (thread + (k & 3) * (EPX_STAGED_PIPE_THREADS / 4)) &
+                       (EPX_STAGED_PIPE_THREADS - 1);
+        for (int u0 = me; u0 < units; u0 += 4 * EPX_STAGED_PIPE_THREADS) {
             int4 v[4];
 #pragma unroll
             for (int q = 0; q < 4; q++)
-                if (u0 + q * EPX_CUDA_THREADS < units)
-                    v[q] = reinterpret_cast<const int4 *>(in)[u0 + q * EPX_CUDA_THREADS];
-            for (uint64_t m = mask; m != 0; m &= m - 1) {
-                const int r = __ffsll(static_cast<long long>(m)) - 1;
-                char *dst = peers[r] + s.off_x + static_cast<int64_t>(rows[r]) * a.recv_pitch +
-                            static_cast<int64_t>(u0) * 16;
+                if (u0 + q * EPX_STAGED_PIPE_THREADS < units)
+                    v[q] = reinterpret_cast<const int4 *>(in)[u0 + q * EPX_STAGED_PIPE_THREADS];
+            /* Destinations eight at a time: their places read together, then the stores
+             * back to back (a shared-memory read between stores waits behind them). */
+            for (int j0 = 0; j0 < count; j0 += 8) {
+                char *dst[8];
 #pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (u0 + q * EPX_CUDA_THREADS < units)
-                        epx_st_v4(dst + q * EPX_CUDA_THREADS * 16, v[q]);
+                for (int j = 0; j < 8; j++)
+                    dst[j] = j0 + j < count ? st.dst[slot][j0 + j] : nullptr;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (j0 + j >= count)
+                        break;
+                    char *d = dst[j] + static_cast<int64_t>(u0) * 16;
+#pragma unroll
+                    for (int q = 0; q < 4; q++)
+                        if (u0 + q * EPX_STAGED_PIPE_THREADS < units)
+                            epx_st_v4(d + q * EPX_STAGED_PIPE_THREADS * 16, v[q]);
+                }
             }
         }
-        if ((k & (EPX_STAGED_STORERS - 1)) == epx_warp())
+        if ((k & (EPX_STAGED_PIPE_WARPS - 1)) == warp)
             epx_dispatch_store_parts(s, a, peers, mask, rows, st.token[slot], 0, 1,
                                      st.ids[slot][lane], st.weights[slot][lane], lane);
         if (me < scale_units) {
@@ -246,7 +326,7 @@ __global__ void __launch_bounds__(EPX_STAGED_THREADS)
                                epx_dispatch_ring_t g)
 {
     extern __shared__ __align__(128) char ring[];
-    __shared__ epx_staged_state_t st;
+    __shared__ epx_staged_state_t st[EPX_STAGED_PIPES];
     __shared__ char *peers[EPX_CUDA_MAX_RANKS];
     __shared__ int32_t bases[EPX_CUDA_MAX_RANKS];
     __shared__ int last;
@@ -263,17 +343,24 @@ __global__ void __launch_bounds__(EPX_STAGED_THREADS)
         bases[r] = s.local->base[r];
     }
     if (threadIdx.x == 0) {
-        for (int i = 0; i < g.stages; i++) {
-            epx_mbar_init(&st.full[i], 1);
-            epx_mbar_init(&st.empty[i], EPX_STAGED_STORERS);
-        }
+        for (int p = 0; p < EPX_STAGED_PIPES; p++)
+            for (int i = 0; i < g.stages; i++) {
+                epx_mbar_init(&st[p].full[i], 1);
+                epx_mbar_init(&st[p].empty[i], EPX_STAGED_PIPE_WARPS);
+            }
         epx_mbar_init_fence();
     }
     __syncthreads();
-    if (epx_warp() < EPX_STAGED_STORERS)
-        epx_staged_store(s, a, g, st, peers, ring);
-    else
-        epx_staged_load(s, a, g, st, peers, bases, ring);
+    const int warp = epx_warp();
+    if (warp < EPX_STAGED_STORERS) {
+        const int p = warp / EPX_STAGED_PIPE_WARPS;
+        epx_staged_store(s, a, g, st[p], peers, ring + p * g.stages * g.slot_bytes,
+                         warp % EPX_STAGED_PIPE_WARPS,
+                         static_cast<int>(threadIdx.x) % EPX_STAGED_PIPE_THREADS);
+    } else {
+        const int p = warp - EPX_STAGED_STORERS;
+        epx_staged_load(s, a, g, st[p], peers, bases, ring + p * g.stages * g.slot_bytes);
+    }
 
     if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_DISPATCH], &last))
         return;
@@ -294,13 +381,13 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t 
     cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
     if (err != cudaSuccess)
         return err;
-    int64_t stages = budget / g.slot_bytes;
+    int64_t stages = budget / (g.slot_bytes * EPX_STAGED_PIPES);
     if (stages > EPX_STAGED_SLOTS)
         stages = EPX_STAGED_SLOTS;
     if (stages < 2)
         return cudaSuccess;
     g.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = stages * g.slot_bytes;
+    const int64_t ring_bytes = stages * g.slot_bytes * EPX_STAGED_PIPES;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(ring_bytes));
     if (err != cudaSuccess)
