@@ -116,7 +116,8 @@ void epx__log_set_rank(int rank);
       "reaches it")                                                                         \
     X(NORMAL_KERNELS, INT, 3, 1, 3,                                                         \
       "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings, " \
-      "3 = staged dispatch (a loader warp, store warps) with the vector combine")          \
+      "3 = staged dispatch (loader warps fill shared-memory rings, store warps empty them) " \
+      "with the vector combine")                                                            \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
       "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
     X(LL_KERNELS, INT, 2, 1, 2,                                                             \

@@ -11,8 +11,9 @@
  * errors.c (device error record -> status, host waits), pool.c (device memory of
  * handles), fanout.c (tool support: epx_fanout_copy). Kernels via launch.h: layout.cu,
  * dispatch.cu and combine.cu (vector form), dispatch_bulk.cu and combine_bulk.cu
- * (bulk-copy form, EPX_NORMAL_KERNELS=2), dispatch_staged.cu (staged form, =3; the ring
- * dispatches' shared parts in dispatch_parts.cuh), copy.cu, copy_fanout.cu.
+ * (bulk-copy form, EPX_NORMAL_KERNELS=2), dispatch_staged.cu (staged form, =3, the
+ * default; the ring dispatches' shared parts in dispatch_parts.cuh), copy.cu,
+ * copy_fanout.cu.
  */
 #ifndef EPX_OPS_CUDA_BACKEND_H
 #define EPX_OPS_CUDA_BACKEND_H

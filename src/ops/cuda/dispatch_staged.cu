@@ -1,27 +1,35 @@
 /*
- * Dispatch data kernel, staged form (EPX_NORMAL_KERNELS=3). What it moves, where rows
- * land, the fresh-mode row rewrite and the signals are those of dispatch.cu (read its
- * comment first); only who moves the bytes differs.
+ * Dispatch data kernel, staged form (EPX_NORMAL_KERNELS=3, the default). What it moves,
+ * where rows land, the fresh-mode row rewrite and the signals are those of dispatch.cu
+ * (read its comment first); only who moves the bytes differs.
  *
- * Roles: each block has one loader warp and EPX_STAGED_STORERS store warps around a ring
- * of `stages` row slots in shared memory (one mbarrier "full" and one "empty" a slot).
- * The loader takes tokens by ticket (several at once when rows are small), reads each
- * one's routing and first 32 top-k entries once (rewriting the routing in fresh mode),
- * writes them into the slot and starts a bulk load (TMA) of the row and its scales into
- * it (scales that cannot travel with the row it stores itself). The store warps take
- * every slot in turn: each stores its share of the row (16-byte vectors from shared
- * memory) to every destination, one of them (turning with the slots) the top-k entries
- * rewritten for each destination, then each releases the slot. So no
- * warp's stores wait for its own loads, the loads of up to `stages` tokens are in flight
- * at once, and a token's bookkeeping is done once per block, not once per warp.
- * Measured as a copy alone (`epx bench --mode fanout`, row `staged`; docs/PERFORMANCE.md
- * "Loads and stores split between warps").
+ * Roles: each block runs EPX_STAGED_PIPES pipes side by side, each a loader warp and
+ * EPX_STAGED_PIPE_WARPS store warps around its own ring of `stages` row slots in shared
+ * memory (one mbarrier "full" and one "empty" a slot). Both loaders take tokens from the
+ * same grid-wide tickets (several at once when rows are small). A loader keeps the next
+ * EPX_STAGED_AHEAD tokens' routing and first 32 top-k entries in flight, rewrites the
+ * routing in fresh mode, writes into the slot the token's rows, its top-k entries and
+ * the address of its row at each destination, and starts a bulk load (TMA) of the row
+ * and its scales into the slot (scales that cannot travel with the row it stores
+ * itself). The pipe's store warps take every slot in turn: each reads the slot's
+ * destination addresses at once, stores its share of the row (16-byte vectors from
+ * shared memory) to each, one of them (turning with the slots) the top-k entries
+ * rewritten for each destination, then each releases the slot. So no warp's stores wait
+ * for its own loads, the loads of up to `stages` tokens a pipe are in flight at once,
+ * and a token's bookkeeping is done once per pipe, not once per warp.
+ *
+ * Why two pipes (measured with clock stamps, docs/PERFORMANCE.md "The staged dispatch
+ * with two pipes"): with 16 warps storing, every load, shared-memory access and store
+ * the loader issues waits behind theirs, so one loader took 1.5-2.5 us a token and the
+ * store warps waited for it; two loaders halve the tokens each must start. Measured as
+ * a copy alone with one pipe: `epx bench --mode fanout`, row `staged`.
  *
  * Signals: as dispatch.cu (the last block raises and awaits the data flags).
  *
- * Buffer use: as dispatch.cu. Shared memory: stages x (row + scales, rounded to 128
- * bytes), at most EPX_BULK_RING_BYTES a block, plus each slot's routing. Falls back to
- * the vector kernel when x rows are not 16-byte aligned or two slots do not fit.
+ * Buffer use: as dispatch.cu. Shared memory: pipes x stages x (row + scales, rounded to
+ * 128 bytes), at most EPX_BULK_RING_BYTES a block, plus each slot's routing. Falls back
+ * to the vector kernel when x rows are not 16-byte aligned or two slots a pipe do not
+ * fit.
  */
 #include "bulk.cuh"
 #include "dispatch_parts.cuh"
@@ -34,24 +42,23 @@
 #define EPX_STAGED_PIPE_WARPS (EPX_STAGED_STORERS / EPX_STAGED_PIPES)
 #define EPX_STAGED_PIPE_THREADS (EPX_CUDA_THREADS / EPX_STAGED_PIPES)
 #define EPX_STAGED_THREADS (EPX_CUDA_THREADS + 32 * EPX_STAGED_PIPES)
-/* Slots of the ring at most. */
+/* Slots of a pipe's ring at most. */
 #define EPX_STAGED_SLOTS 8
 /* Tokens a loader takes per ticket: 4 while a row (with its scales) is at most this many
  * bytes, else 1. Measured on the copy alone (one H200, 8 ranks, 8 SMs a rank): rows of
  * 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower. */
 #define EPX_STAGED_SMALL_ROW 8192
-/* Tokens whose routing and top-k entries the loader has in flight (read ahead), and
- * tickets it has taken ahead of the chunk it works on. Measured on one H200 with 8 SMs a
- * rank (docs/PERFORMANCE.md, "The staged dispatch's loader"): with the stores running, a
- * load takes 1.5-2 us to return, longer than a bf16 token's turn, so one token ahead
- * left the loader waiting for each token's routing. */
+/* Tokens whose routing and top-k entries a loader has in flight (read ahead), and
+ * tickets it has taken ahead of the chunk it works on. With one token ahead a bf16
+ * token's routing took 2800 cycles to arrive, with four 1800-2000 (one H200, 8 SMs a
+ * rank, clock stamps); four tickets ahead instead of two changed nothing measurable. */
 #define EPX_STAGED_AHEAD 4
 #define EPX_STAGED_TICKETS 4
 
 /* The ring's shared state: barriers, and each slot's token routing. */
 typedef struct {
     uint64_t full[EPX_STAGED_SLOTS];  /* the loader's arrival + the slot's bytes */
-    uint64_t empty[EPX_STAGED_SLOTS]; /* one arrival per store warp */
+    uint64_t empty[EPX_STAGED_SLOTS]; /* one arrival per store warp of the pipe */
     uint64_t mask[EPX_STAGED_SLOTS];  /* ranks receiving the slot's token; 0 = no more */
     int64_t token[EPX_STAGED_SLOTS];
     int32_t count[EPX_STAGED_SLOTS];                  /* ranks receiving it */
@@ -147,8 +154,8 @@ __device__ __forceinline__ int64_t epx_staged_order_next(epx_staged_order_t *o, 
 }
 
 /*
- * The loader warp: every token of this block, then a last slot with an empty mask.
- * Returns early only when a wait for a free slot gave up (recorded).
+ * A pipe's loader warp: every token its tickets give it, then a last slot with an empty
+ * mask. Returns early only when a wait for a free slot gave up (recorded).
  */
 __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
                                                 const epx__cuda_dispatch_args_t &a,
@@ -246,10 +253,11 @@ __device__ __forceinline__ void epx_staged_load(const epx__cuda_shape_t &s,
 }
 
 /*
- * A store warp: every slot in turn until one with an empty mask, its share of the row
- * (and scales) to each destination. A thread's first unit turns by a quarter of the
- * block each slot, so the units past a multiple of the block are not always the same
- * warps'. Returns early only when a wait for a slot gave up (recorded).
+ * A store warp of a pipe (`warp` and `thread`: its place in the pipe): every slot in
+ * turn until one with an empty mask, its share of the row (and scales) to each
+ * destination. A thread's first unit turns by a quarter of the pipe each slot, so the
+ * units past a multiple of the pipe are not always the same warps'. Returns early only
+ * when a wait for a slot gave up (recorded).
  */
 __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
                                                  const epx__cuda_dispatch_args_t &a,

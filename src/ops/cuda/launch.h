@@ -53,9 +53,9 @@ extern "C" {
  * Which single-node data kernels normal mode runs (EPX_NORMAL_KERNELS): the vector
  * kernels (dispatch.cu, combine.cu: 16-byte loads and stores from registers), the
  * bulk-copy kernels (dispatch_bulk.cu, combine_bulk.cu: TMA copies through rings in
- * shared memory), or the staged dispatch (dispatch_staged.cu: a loader warp bulk-loads
- * rows into a ring, store warps store them; combine as the vector form). A case a form
- * cannot take runs the vector kernels.
+ * shared memory), or the staged dispatch, the default (dispatch_staged.cu: loader warps
+ * bulk-load rows into rings, store warps store them; combine as the vector form). A case
+ * a form cannot take runs the vector kernels.
  */
 enum { EPX_CUDA_KERNELS_VECTOR = 1, EPX_CUDA_KERNELS_BULK = 2, EPX_CUDA_KERNELS_STAGED = 3 };
 
