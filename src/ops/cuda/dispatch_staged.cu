@@ -5,7 +5,7 @@
  *
  * Roles: each block runs EPX_STAGED_PIPES pipes side by side, each a loader warp and
  * EPX_STAGED_PIPE_WARPS store warps around its own ring of `stages` row slots in shared
- * memory (one mbarrier "full" and one "empty" a slot). Both loaders take tokens from the
+ * memory (one mbarrier "full" and one "empty" a slot). All loaders take tokens from the
  * same grid-wide tickets (several at once when rows are small). A loader keeps the next
  * EPX_STAGED_AHEAD tokens' routing and first 32 top-k entries in flight, rewrites the
  * routing in fresh mode, writes into the slot the token's rows, its top-k entries and
@@ -16,13 +16,14 @@
  * shared memory) to each, one of them (turning with the slots) the top-k entries
  * rewritten for each destination, then each releases the slot. So no warp's stores wait
  * for its own loads, the loads of up to `stages` tokens a pipe are in flight at once,
- * and a token's bookkeeping is done once per pipe, not once per warp.
+ * and a token's bookkeeping is done once, by its pipe's loader, not once per warp.
  *
  * Why two pipes (measured with clock stamps, docs/PERFORMANCE.md "The staged dispatch
  * with two pipes"): with 16 warps storing, every load, shared-memory access and store
  * the loader issues waits behind theirs, so one loader took 1.5-2.5 us a token and the
- * store warps waited for it; two loaders halve the tokens each must start. Measured as
- * a copy alone with one pipe: `epx bench --mode fanout`, row `staged`.
+ * store warps waited for it; two loaders halve the tokens each must start (four are not
+ * measured yet). Measured as a copy alone with one pipe: `epx bench --mode fanout`, row
+ * `staged`.
  *
  * Signals: as dispatch.cu (the last block raises and awaits the data flags).
  *
@@ -35,8 +36,14 @@
 #include "dispatch_parts.cuh"
 #include "signal.cuh"
 
-/* Pipes a block: each a loader warp, its store warps and its own ring. */
+/* Pipes a block: each a loader warp, its store warps and its own ring. 1, 2 or 4; a
+ * build may set it (-DEPX_STAGED_PIPES=4 in CMAKE_CUDA_FLAGS) to measure another count. */
+#ifndef EPX_STAGED_PIPES
 #define EPX_STAGED_PIPES 2
+#endif
+#if EPX_STAGED_PIPES != 1 && EPX_STAGED_PIPES != 2 && EPX_STAGED_PIPES != 4
+#error "EPX_STAGED_PIPES must be 1, 2 or 4"
+#endif
 /* Store warps a block, and a pipe's (a loader warp each pipe comes on top). */
 #define EPX_STAGED_STORERS (EPX_CUDA_THREADS / 32)
 #define EPX_STAGED_PIPE_WARPS (EPX_STAGED_STORERS / EPX_STAGED_PIPES)
@@ -45,8 +52,9 @@
 /* Slots of a pipe's ring at most. */
 #define EPX_STAGED_SLOTS 8
 /* Tokens a loader takes per ticket: 4 while a row (with its scales) is at most this many
- * bytes, else 1. Measured on the copy alone (one H200, 8 ranks, 8 SMs a rank): rows of
- * 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower. */
+ * bytes, else 1. Measured on the copy alone with one loader a block (one H200, 8 ranks,
+ * 8 SMs a rank): rows of 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower;
+ * not measured again with two pipes. */
 #define EPX_STAGED_SMALL_ROW 8192
 /* Tokens whose routing and top-k entries a loader has in flight (read ahead), and
  * tickets it has taken ahead of the chunk it works on. With one token ahead a bf16
@@ -383,6 +391,9 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t 
     const epx__cuda_dispatch_args_t *a = args;
     epx_dispatch_ring_t g;
     if (!epx_dispatch_ring_plan(shape, a, &g))
+        return cudaSuccess;
+    /* Scales travelling with the row are stored one 16-byte unit per thread of a pipe. */
+    if (g.bulk_scales && g.scale_bytes / 16 > EPX_STAGED_PIPE_THREADS)
         return cudaSuccess;
     const void *kernel = reinterpret_cast<const void *>(epx_dispatch_staged_kernel);
     int64_t budget = 0;

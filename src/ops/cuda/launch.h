@@ -39,7 +39,8 @@ extern "C" {
 #define EPX_CUDA_MAX_RANKS 64
 /* Ranges combine may read in place besides the buffer (EPX_MAX_REGISTERED). */
 #define EPX_CUDA_MAX_REGISTERED 8
-/* Threads per block of the data kernels (16 warps: one token per warp at a time). */
+/* Threads per block of the data kernels: 16 warps (the vector kernels: one token per
+ * warp at a time; the staged dispatch: the store warps, its loader warps on top). */
 #define EPX_CUDA_THREADS 512
 /* Threads a block of the count exchange kernel (a fresh scan's tile: one token a thread
  * a round). */
