@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int R = s.world_size, K = s.num_topk;
     const uint64_t seq = epx_op_seq(s);
     /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
-    if (epx_failed(s))
+    if (epx_block_failed(s))
         return;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         peers[r] = epx_peer(s, r);

@@ -55,6 +55,14 @@ __device__ __forceinline__ int epx_failed(const epx__cuda_shape_t &s)
     return *reinterpret_cast<volatile int32_t *>(&s.local->failed);
 }
 
+/* Whole block: this rank's failure flag read once for the block (by thread 0) and
+ * shared through a block barrier, so the block's threads leave together or not at all
+ * (each reading it could see it change between them, and some leave a barrier short). */
+__device__ __forceinline__ int epx_block_failed(const epx__cuda_shape_t &s)
+{
+    return __syncthreads_or(threadIdx.x == 0 && epx_failed(s));
+}
+
 /*
  * What the failure paths need, small enough to travel in registers (the noinline
  * helpers below would otherwise force the whole shape onto the stack).
