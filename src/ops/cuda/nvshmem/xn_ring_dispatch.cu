@@ -157,12 +157,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int last;
 
     const int R = s.world_size, N = s.num_nodes;
-    if (epx_failed(s))
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     __syncthreads();
 
     const epx__cuda_xn_record_t rec =
