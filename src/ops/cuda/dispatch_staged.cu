@@ -349,7 +349,6 @@ __global__ void __launch_bounds__(EPX_STAGED_THREADS)
 
     /* Launched early (epx_launch_early): the count exchange's results first. */
     epx_wait_previous();
-    const int R = s.world_size;
     const uint64_t seq = epx_op_seq(s);
     if (!epx_dispatch_enter(s, peers, bases))
         return;

@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
-    const int R = s.world_size, N = s.num_nodes;
+    const int N = s.num_nodes;
     if (!epx_dispatch_enter(s, peers, bases))
         return;
     __syncthreads();
