@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
      * kernel has ended, at its epx_wait_previous). */
     if (threadIdx.x == 0)
         s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE_TOKENS] = 0;
-    if (epx_failed(s))
+    if (epx_block_failed(s))
         return;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         epx__cuda_slot_t *slot = epx_slot(s, r, me);
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     const int R = s.world_size, K = s.num_topk, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     /* The ready exchange failed on this rank (or an earlier operation did). */
-    if (epx_failed(s))
+    if (epx_block_failed(s))
         return;
     /* Every peer's input location, acquired by the ready kernel before this one. */
     for (int r = threadIdx.x; r < R; r += blockDim.x) {

@@ -125,7 +125,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     const int R = s.world_size, K = s.num_topk, me = s.rank, S = g.stages;
     const uint64_t seq = epx_op_seq(s);
     /* The ready exchange failed on this rank (or an earlier operation did). */
-    if (epx_failed(s))
+    if (epx_block_failed(s))
         return;
     /* Every peer's input location, acquired by the ready kernel before this one; ranks
      * past the last one read as holding nothing. */

@@ -179,13 +179,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     epx_wait_previous();
     const int R = s.world_size, K = s.num_topk;
     const uint64_t seq = epx_op_seq(s);
-    /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
-    if (epx_failed(s))
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     __syncthreads();
 
     const int lane = epx_lane(), warp = epx_warp();

@@ -99,13 +99,8 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
 
     const int R = s.world_size, K = s.num_topk, S = g.stages;
     const uint64_t seq = epx_op_seq(s);
-    /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
-    if (epx_failed(s))
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     const int lane = epx_lane(), warp = epx_warp();
     uint64_t *bar = bars[warp];
     char *slots = ring + static_cast<int64_t>(warp) * S * g.slot_bytes;

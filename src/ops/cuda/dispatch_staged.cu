@@ -349,15 +349,9 @@ __global__ void __launch_bounds__(EPX_STAGED_THREADS)
 
     /* Launched early (epx_launch_early): the count exchange's results first. */
     epx_wait_previous();
-    const int R = s.world_size;
     const uint64_t seq = epx_op_seq(s);
-    /* The count exchange failed on this rank (or earlier): every rank skips this stage. */
-    if (epx_failed(s))
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     if (threadIdx.x == 0) {
         for (int p = 0; p < EPX_STAGED_PIPES; p++)
             for (int i = 0; i < g.stages; i++) {

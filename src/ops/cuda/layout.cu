@@ -362,7 +362,7 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
             epx_record_failure(s, EPX_CUDA_FAIL_PEER_INPUT, EPX_CUDA_STAGE_NOTIFY, r, r, 0, 0, 0);
     }
     __syncthreads();
-    if (epx_failed(s))
+    if (epx_block_failed(s))
         return;
 
     if (fresh) {

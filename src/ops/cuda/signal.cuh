@@ -55,6 +55,32 @@ __device__ __forceinline__ int epx_failed(const epx__cuda_shape_t &s)
     return *reinterpret_cast<volatile int32_t *>(&s.local->failed);
 }
 
+/* Whole block: this rank's failure flag read once for the block (by thread 0) and
+ * shared through a block barrier, so the block's threads leave together or not at all
+ * (each reading it could see it change between them, and some leave a barrier short). */
+__device__ __forceinline__ int epx_block_failed(const epx__cuda_shape_t &s)
+{
+    return __syncthreads_or(threadIdx.x == 0 && epx_failed(s));
+}
+
+/*
+ * Whole block, at the start of a dispatch data kernel: 0 when this rank has failed (the
+ * count exchange or an earlier operation; every rank skips the stage, the block leaves),
+ * else each rank's memory (NULL where not mapped) and first receive row into peers[] and
+ * bases[] (shared memory, filled once the caller's next block barrier has passed).
+ */
+__device__ __forceinline__ int epx_dispatch_enter(const epx__cuda_shape_t &s, char **peers,
+                                                  int32_t *bases)
+{
+    if (epx_block_failed(s))
+        return 0;
+    for (int r = threadIdx.x; r < s.world_size; r += blockDim.x) {
+        peers[r] = epx_peer(s, r);
+        bases[r] = s.local->base[r];
+    }
+    return 1;
+}
+
 /*
  * What the failure paths need, small enough to travel in registers (the noinline
  * helpers below would otherwise force the whole shape onto the stack).

@@ -188,12 +188,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
 
     const int R = s.world_size, N = s.num_nodes, P = s.ranks_per_node;
     const int K = s.num_topk, me = s.rank, my_node = epx_xn_node(s, me);
-    if (epx_failed(s))
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     if (threadIdx.x == 0) {
         int32_t total = 0;
         for (int node = 0; node < N; node++) {

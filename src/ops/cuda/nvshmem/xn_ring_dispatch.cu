@@ -156,13 +156,9 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t dest_row[EPX_XN_WARPS][EPX_CUDA_MAX_RANKS];
     __shared__ int last;
 
-    const int R = s.world_size, N = s.num_nodes;
-    if (epx_failed(s))
+    const int N = s.num_nodes;
+    if (!epx_dispatch_enter(s, peers, bases))
         return;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        peers[r] = epx_peer(s, r);
-        bases[r] = s.local->base[r];
-    }
     __syncthreads();
 
     const epx__cuda_xn_record_t rec =
