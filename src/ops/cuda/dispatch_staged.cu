@@ -49,18 +49,25 @@
 #define EPX_STAGED_PIPE_WARPS (EPX_STAGED_STORERS / EPX_STAGED_PIPES)
 #define EPX_STAGED_PIPE_THREADS (EPX_CUDA_THREADS / EPX_STAGED_PIPES)
 #define EPX_STAGED_THREADS (EPX_CUDA_THREADS + 32 * EPX_STAGED_PIPES)
-/* Slots of a pipe's ring at most. */
+/* Slots of a pipe's ring at most (a build may set another). */
+#ifndef EPX_STAGED_SLOTS
 #define EPX_STAGED_SLOTS 8
+#endif
 /* Tokens a loader takes per ticket: 4 while a row (with its scales) is at most this many
  * bytes, else 1. Measured on the copy alone with one loader a block (one H200, 8 ranks,
  * 8 SMs a rank): rows of 7168 bytes 20% faster by fours, rows of 14336 bytes 8% slower;
- * not measured again with two pipes. */
+ * not measured again with two pipes. A build may set it (-DEPX_STAGED_SMALL_ROW=...),
+ * as EPX_STAGED_AHEAD below, to measure another. */
+#ifndef EPX_STAGED_SMALL_ROW
 #define EPX_STAGED_SMALL_ROW 8192
+#endif
 /* Tokens whose routing and top-k entries a loader has in flight (read ahead), and
  * tickets it has taken ahead of the chunk it works on. With one token ahead a bf16
  * token's routing took 2800 cycles to arrive, with four 1800-2000 (one H200, 8 SMs a
  * rank, clock stamps); four tickets ahead instead of two changed nothing measurable. */
+#ifndef EPX_STAGED_AHEAD
 #define EPX_STAGED_AHEAD 4
+#endif
 #define EPX_STAGED_TICKETS 4
 
 /* The ring's shared state: barriers, and each slot's token routing. */
