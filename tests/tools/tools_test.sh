@@ -318,6 +318,7 @@ bench_fanout)
     expect_rc 0
     expect_out '^# epx bench --mode fanout: backend host, 3 ranks, rows 64 per rank, hidden 256, fanout 2.50'
     expect_count '^# copy bandwidth: [0-9.]* GB/s measured' out 1
+    expect_count '^# span: from the first rank issuing a copy' out 1
     for kernel in vector bulk staged; do
         expect_count "^  bf16  $kernel  *2.50 " out 1
         expect_count "^  bf16  $kernel  *1.00 " out 1
@@ -347,6 +348,9 @@ for row in rows:
     assert row["total_bytes"] == 2 * per_rank, row
     assert abs(row["gbps"] - row["total_bytes"] / (row["slowest_median_us"] * 1e3)) <= 1e-3 * row["gbps"], row
     assert row["of_copy"] > 0 and abs(row["of_copy"] - row["gbps"] / row["copy_gbps"]) <= 1e-3 * row["of_copy"], row
+    # The span (first rank issuing to last rank finished) holds every rank's copy.
+    assert row["span_median_us"] >= row["slowest_median_us"] * (1 - 1e-6), row
+    assert row["span_of_floor"] <= row["of_floor"] * (1 + 1e-6), row
 assert [r["kernel"] for r in rows] == ["vector", "bulk", "bulk_2", "staged", "staged_4", "vector",
                                       "bulk", "staged", "copy_engine"], rows
 PY

@@ -22,6 +22,11 @@
  * written, GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
  * the copy bandwidth: measured by rank 0 alone at the start (cudaMemcpyAsync of 256 MiB,
  * as tests/gpu/cuda_normal measures it), and the floor's bandwidth of the other modes.
+ * Nothing makes the ranks' copies overlap (no rank waits for another inside one), so
+ * when they start apart each runs partly alone and bytes / slowest overstates the
+ * bandwidth (past the floor: 2026-12-04, 16 SMs a rank); each row also gives the span,
+ * from the first rank issuing its copy to the last rank's copy finished on the host
+ * clock, and the floor fraction over it, which can only understate.
  */
 #include <math.h>
 #include <stdio.h>
@@ -29,6 +34,7 @@
 #include <string.h>
 
 #include "bench.h"
+#include "common/tool.h"
 #include "epx_tool.h"
 
 #define COPY_BANDWIDTH_BYTES ((size_t)256 << 20)
@@ -76,11 +82,21 @@ static int64_t written_rows(int64_t rows, double fanout)
     return rows * milli / 1000;
 }
 
-/* One timed call of `variant`: its duration in us on this rank. */
-static double run_once(fanout_bench_t *b, const fanout_variant_t *variant, int64_t row_bytes)
+/* One timed call: its duration on this rank (us, the stream's own timestamps), and the
+ * host clock (CLOCK_MONOTONIC, ns, one clock for every rank of a host) just before it was
+ * issued and just after the stream finished it. */
+typedef struct {
+    double us;
+    double issued_ns, finished_ns;
+} fanout_time_t;
+
+static fanout_time_t run_once(fanout_bench_t *b, const fanout_variant_t *variant,
+                              int64_t row_bytes)
 {
     const epx__bench_options_t *o = b->options;
+    fanout_time_t time;
     epx__bench_must(b->rank, epx_group_barrier(b->group), "epx_group_barrier");
+    time.issued_ns = (double)epx__tool_now_ns();
     epx__bench_must(b->rank, epx__bench_mark(b->device, 0), "timestamp");
     if (variant->engine) {
         size_t bytes = (size_t)written_rows(o->tokens, b->fanout) * (size_t)row_bytes;
@@ -99,11 +115,11 @@ static double run_once(fanout_bench_t *b, const fanout_variant_t *variant, int64
                         "epx_fanout_copy");
     }
     epx__bench_must(b->rank, epx__bench_mark(b->device, 1), "timestamp");
-    double us = 0;
-    epx__bench_must(b->rank, epx__bench_elapsed_us(b->device, 2, &us), "reading timestamps");
+    epx__bench_must(b->rank, epx__bench_elapsed_us(b->device, 2, &time.us), "reading timestamps");
+    time.finished_ns = (double)epx__tool_now_ns();
     /* Nobody starts the next copy into a region before every rank finished this one. */
     epx__bench_must(b->rank, epx_group_barrier(b->group), "epx_group_barrier");
-    return us;
+    return time;
 }
 
 static void print_header(const fanout_bench_t *b)
@@ -123,16 +139,25 @@ static void print_header(const fanout_bench_t *b)
            c->floor_bw_gbps, c->floor_source);
     printf("# bytes: every rank's rows read once + written once per destination; GB/s = bytes / "
            "slowest; of_copy, of_floor: GB/s over those bandwidths\n");
-    printf("# %-5s %-12s %6s %11s %11s %10s %9s %8s %7s %8s\n", "dtype", "kernel", "fanout",
-           "median_us", "slowest_us", "GB", "GB/s", "GB/s/SM", "of_copy", "of_floor");
+    printf("# span: from the first rank issuing a copy to the last rank's copy finished (host "
+           "clock, so a little long); the ranks' copies need not overlap, so bytes / slowest can "
+           "pass the floor when they start apart: span_floor = bytes / span over the floor's "
+           "bandwidth, a bound from below\n");
+    printf("# %-5s %-12s %6s %11s %11s %10s %9s %8s %7s %8s %9s %10s\n", "dtype", "kernel",
+           "fanout", "median_us", "slowest_us", "GB", "GB/s", "GB/s/SM", "of_copy", "of_floor",
+           "span_us", "span_floor");
     fflush(stdout);
 }
 
 static void print_row(const fanout_bench_t *b, const char *dtype, const fanout_variant_t *v,
-                      double fanout, double median_us, double slowest_us, int64_t bytes)
+                      double fanout, double median_us, double slowest_us, double span_us,
+                      int64_t bytes)
 {
     const epx__bench_context_t *c = b->context;
     double gbps = slowest_us > 0 ? (double)bytes / (slowest_us * 1e3) : NAN;
+    double span_of_floor = span_us > 0 && c->floor_bw_gbps > 0
+                               ? (double)bytes / (span_us * 1e3) / c->floor_bw_gbps
+                               : NAN;
     /* The copy engines use no SMs. */
     double per_sm = !v->engine && c->sms > 0 ? gbps / ((double)c->sms * c->ranks) : NAN;
     double of_copy = b->copy_gbps > 0 ? gbps / b->copy_gbps : NAN;
@@ -152,6 +177,8 @@ static void print_row(const fanout_bench_t *b, const char *dtype, const fanout_v
         epx__bench_print_json_number(stdout, "copy_gbps", b->copy_gbps > 0 ? b->copy_gbps : NAN);
         epx__bench_print_json_number(stdout, "of_copy", of_copy);
         epx__bench_print_json_number(stdout, "of_floor", of_floor);
+        epx__bench_print_json_number(stdout, "span_median_us", span_us);
+        epx__bench_print_json_number(stdout, "span_of_floor", span_of_floor);
         printf("}\n");
     } else {
         printf("  %-5s %-12s %6.2f ", dtype, v->name, fanout);
@@ -168,6 +195,10 @@ static void print_row(const fanout_bench_t *b, const char *dtype, const fanout_v
         epx__bench_print_number(stdout, 7, 2, of_copy, "-");
         putchar(' ');
         epx__bench_print_number(stdout, 8, 2, of_floor, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 9, 1, span_us, "-");
+        putchar(' ');
+        epx__bench_print_number(stdout, 10, 2, span_of_floor, "-");
         putchar('\n');
     }
     fflush(stdout);
@@ -179,25 +210,32 @@ static void run_variant(fanout_bench_t *b, const char *dtype, const fanout_varia
 {
     const epx__bench_context_t *c = b->context;
     int iters = c->iters;
-    double *mine = calloc((size_t)iters, sizeof(double));
-    double *all = calloc((size_t)iters * (size_t)b->world_size, sizeof(double));
+    size_t per_rank_bytes = (size_t)iters * sizeof(fanout_time_t);
+    fanout_time_t *mine = calloc((size_t)iters, sizeof(fanout_time_t));
+    fanout_time_t *all = calloc((size_t)iters * (size_t)b->world_size, sizeof(fanout_time_t));
+    double *own = calloc((size_t)iters, sizeof(double));
     double *slowest = calloc((size_t)iters, sizeof(double));
-    if (mine == NULL || all == NULL || slowest == NULL) {
+    double *span = calloc((size_t)iters, sizeof(double));
+    if (mine == NULL || all == NULL || own == NULL || slowest == NULL || span == NULL) {
         fprintf(stderr, "epx bench: rank %d: out of memory\n", b->rank);
         exit(1);
     }
     for (int it = 0; it < c->warmup + iters; it++) {
-        double us = run_once(b, v, row_bytes);
+        fanout_time_t time = run_once(b, v, row_bytes);
         if (it >= c->warmup)
-            mine[it - c->warmup] = us;
+            mine[it - c->warmup] = time;
     }
-    epx__bench_allgather(b->group, mine, all, (size_t)iters * sizeof(double),
-                         "gathering times");
+    epx__bench_allgather(b->group, mine, all, per_rank_bytes, "gathering times");
     for (int it = 0; it < iters; it++) {
+        own[it] = mine[it].us;
+        double issued = all[it].issued_ns, finished = all[it].finished_ns;
         for (int r = 0; r < b->world_size; r++) {
-            double t = all[(size_t)r * (size_t)iters + (size_t)it];
-            slowest[it] = t > slowest[it] ? t : slowest[it];
+            const fanout_time_t *t = &all[(size_t)r * (size_t)iters + (size_t)it];
+            slowest[it] = t->us > slowest[it] ? t->us : slowest[it];
+            issued = t->issued_ns < issued ? t->issued_ns : issued;
+            finished = t->finished_ns > finished ? t->finished_ns : finished;
         }
+        span[it] = (finished - issued) / 1e3;
     }
     double fanout = v->plain ? 1.0 : b->fanout;
     int64_t rows = b->options->tokens;
@@ -205,11 +243,14 @@ static void run_variant(fanout_bench_t *b, const char *dtype, const fanout_varia
     int64_t written = written_rows(rows, fanout);
     int64_t per_rank = v->engine ? 2 * written * row_bytes : (rows + written) * row_bytes;
     if (b->rank == 0)
-        print_row(b, dtype, v, fanout, epx__bench_median(mine, iters),
-                  epx__bench_median(slowest, iters), per_rank * b->world_size);
+        print_row(b, dtype, v, fanout, epx__bench_median(own, iters),
+                  epx__bench_median(slowest, iters), epx__bench_median(span, iters),
+                  per_rank * b->world_size);
     free(mine);
     free(all);
+    free(own);
     free(slowest);
+    free(span);
 }
 
 int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options,
