@@ -244,12 +244,33 @@ static inline int64_t epx_bulk_round_up(int64_t value, int64_t multiple)
 }
 
 /*
- * The end of a ring kernel's launcher (dispatch_bulk.cu, combine_bulk.cu): as many
- * stages of one warp's slot and routing (ring.slot_bytes + ring.route_bytes) as a warp's
- * share of `budget` (epx_bulk_ring_budget) holds, at most EPX_BULK_MAX_STAGES; the kernel
- * allowed that much dynamic shared memory; one launch of epx_bulk_blocks blocks over
- * args->num_tokens. When fewer than two stages fit, nothing is launched and *launched
- * stays 0: the caller runs its vector kernel instead.
+ * A block's rings sized: `rings` rings (one a warp or a pipe) of as many `stage_bytes`
+ * stages as `budget` (epx_bulk_ring_budget) holds, at most `most`, and `kernel` allowed
+ * that much dynamic shared memory (*ring_bytes, for its launch). *stages = 0 when fewer
+ * than two fit (a slot is refilled only once the next one is taken): the caller then
+ * runs its vector kernel.
+ */
+static inline cudaError_t epx_bulk_ring_fit(const void *kernel, int64_t budget, int rings,
+                                            int64_t stage_bytes, int64_t most,
+                                            int64_t *stages, int64_t *ring_bytes)
+{
+    int64_t n = budget / rings / stage_bytes;
+    if (n > most)
+        n = most;
+    *stages = n < 2 ? 0 : n;
+    *ring_bytes = rings * *stages * stage_bytes;
+    if (*stages == 0)
+        return cudaSuccess;
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(*ring_bytes));
+}
+
+/*
+ * The end of a ring kernel's launcher (dispatch_bulk.cu, combine_bulk.cu): a ring a warp
+ * of stages of one slot and its routing (ring.slot_bytes + ring.route_bytes), sized by
+ * epx_bulk_ring_fit with at most EPX_BULK_MAX_STAGES; one launch of epx_bulk_blocks
+ * blocks over args->num_tokens. When fewer than two stages fit, nothing is launched and
+ * *launched stays 0: the caller runs its vector kernel instead.
  */
 template <typename Args, typename Ring>
 static inline cudaError_t epx_bulk_launch(void (*kernel)(epx__cuda_shape_t, Args, Ring),
@@ -257,19 +278,13 @@ static inline cudaError_t epx_bulk_launch(void (*kernel)(epx__cuda_shape_t, Args
                                           Ring ring, int64_t budget, cudaStream_t stream,
                                           int *launched)
 {
-    const int64_t stage_bytes = ring.slot_bytes + ring.route_bytes;
-    int64_t stages = budget / EPX_BULK_PIPES / stage_bytes;
-    if (stages > EPX_BULK_MAX_STAGES)
-        stages = EPX_BULK_MAX_STAGES;
-    if (stages < 2)
-        return cudaSuccess;
-    ring.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = EPX_BULK_PIPES * stages * stage_bytes;
-    cudaError_t err = cudaFuncSetAttribute(reinterpret_cast<const void *>(kernel),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(ring_bytes));
-    if (err != cudaSuccess)
+    int64_t stages = 0, ring_bytes = 0;
+    cudaError_t err = epx_bulk_ring_fit(reinterpret_cast<const void *>(kernel), budget,
+                                        EPX_BULK_PIPES, ring.slot_bytes + ring.route_bytes,
+                                        EPX_BULK_MAX_STAGES, &stages, &ring_bytes);
+    if (err != cudaSuccess || stages == 0)
         return err;
+    ring.stages = static_cast<int>(stages);
     kernel<<<epx_bulk_blocks(args->num_tokens, args->num_sms), EPX_BULK_PIPES * 32,
              static_cast<size_t>(ring_bytes), stream>>>(*shape, *args, ring);
     *launched = 1;

@@ -401,17 +401,12 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t 
     cudaError_t err = epx_bulk_ring_budget(kernel, 0, &budget);
     if (err != cudaSuccess)
         return err;
-    int64_t stages = budget / (g.slot_bytes * EPX_STAGED_PIPES);
-    if (stages > EPX_STAGED_SLOTS)
-        stages = EPX_STAGED_SLOTS;
-    if (stages < 2)
-        return cudaSuccess;
-    g.stages = static_cast<int>(stages);
-    const int64_t ring_bytes = stages * g.slot_bytes * EPX_STAGED_PIPES;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(ring_bytes));
-    if (err != cudaSuccess)
+    int64_t stages = 0, ring_bytes = 0;
+    err = epx_bulk_ring_fit(kernel, budget, EPX_STAGED_PIPES, g.slot_bytes, EPX_STAGED_SLOTS,
+                            &stages, &ring_bytes);
+    if (err != cudaSuccess || stages == 0)
         return err;
+    g.stages = static_cast<int>(stages);
     *launched = 1;
     return epx_launch_early(epx_dispatch_staged_kernel, dim3(a->num_blocks),
                             dim3(EPX_STAGED_THREADS), static_cast<size_t>(ring_bytes), stream,
