@@ -69,6 +69,15 @@
 #define EPX_STAGED_AHEAD 4
 #endif
 #define EPX_STAGED_TICKETS 4
+/* Below this many blocks a rank the vector kernel runs instead (0: never). At 4 SMs a
+ * rank the copy alone ran faster with the vector loop than staged (0.52 against 0.45 of
+ * the floor, bf16; fp8 0.50 against 0.40), at 8 the other way round (0.73 against
+ * 0.82; `epx bench --mode fanout`, one H200, 8 ranks, docs/PERFORMANCE.md, ninth
+ * session); the dispatch itself not yet measured at small budgets, so a build may set
+ * it (-DEPX_STAGED_MIN_BLOCKS=...) to A/B it. */
+#ifndef EPX_STAGED_MIN_BLOCKS
+#define EPX_STAGED_MIN_BLOCKS 0
+#endif
 
 /* The ring's shared state: barriers, and each slot's token routing. */
 typedef struct {
@@ -390,6 +399,8 @@ extern "C" cudaError_t epx__cuda_launch_dispatch_staged(const epx__cuda_shape_t 
 {
     *launched = 0;
     const epx__cuda_dispatch_args_t *a = args;
+    if (a->num_blocks < EPX_STAGED_MIN_BLOCKS)
+        return cudaSuccess;
     epx_dispatch_ring_t g;
     if (!epx_dispatch_ring_plan(shape, a, &g))
         return cudaSuccess;
