@@ -29,8 +29,8 @@ epx_status_t epx_handle_get_info(epx_handle_t handle, epx_handle_info_t *info)
 epx_status_t epx_handle_get_rank_prefix_matrix(epx_handle_t handle, epx_tensor_t *matrix)
 {
     epx__clear_error();
-    if (handle == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "handle_get_rank_prefix_matrix: handle is NULL");
+    EPX_CHECK(epx__object_check(EPX__OBJECT_HANDLE, handle, "handle_get_rank_prefix_matrix",
+                                "handle"));
     if (matrix == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "handle_get_rank_prefix_matrix: matrix is NULL");
     int world = handle->world_size;

@@ -192,6 +192,14 @@ void bi_run_combine_cases(void)
     bi_expect("handle_get_info: bad info.size", epx_handle_get_info(cf.args.handle, &info),
               INVALID, "EPX_HANDLE_INFO_INIT");
     CHECK_EQ_INT(info.num_tokens, 0); /* nothing written on a refusal */
+    bi_expect("handle_get_rank_prefix_matrix: NULL matrix",
+              epx_handle_get_rank_prefix_matrix(cf.args.handle, NULL), INVALID, "matrix");
+    CHECK_ERROR_MENTIONS("matrix is NULL");
+    bi_expect("handle_destroy: NULL handle", epx_handle_destroy(NULL), INVALID, "handle");
+    CHECK_ERROR_MENTIONS("handle is NULL");
+    bi_expect("get_async_error: NULL error", epx_get_async_error(cf.f.buffer, NULL, NULL, 0),
+              INVALID, "error");
+    CHECK_ERROR_MENTIONS("error is NULL");
     info.size = sizeof(info);
     CHECK_OK(epx_handle_get_info(cf.args.handle, &info));
     CHECK_EQ_INT(info.num_tokens, BI_TOKENS);
@@ -264,7 +272,18 @@ void bi_run_config_cases(void)
         CHECK(buffer == NULL);
     }
 
+    /* Rows move as 16-byte vectors: hidden 100 (above 0, not fp8) is still refused. */
     epx_buffer_config_t config = good_config();
+    config.hidden = 100;
+    bi_expect("buffer_size: hidden 100 (not a multiple of 8)",
+              epx_buffer_size(bi_group, &config, &bytes), INVALID, "hidden");
+    CHECK_ERROR_MENTIONS("multiple of 8");
+    bi_expect("buffer_create: hidden 100 (not a multiple of 8)",
+              epx_buffer_create(bi_group, &config, &buffer), INVALID, "hidden");
+    CHECK_ERROR_MENTIONS("multiple of 8");
+    CHECK(buffer == NULL);
+
+    config = good_config();
     bi_expect("buffer_size: NULL group", epx_buffer_size(NULL, &config, &bytes), INVALID,
               "group");
     bi_expect("buffer_size: NULL config", epx_buffer_size(bi_group, NULL, &bytes), INVALID,

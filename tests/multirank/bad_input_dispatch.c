@@ -300,6 +300,64 @@ static void run_negative_count_case(void)
     bi_teardown(&f);
 }
 
+/* A bf16 dispatch produces no scales: recv_x_scales given with the other outputs. */
+static void run_unwanted_output_case(void)
+{
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    int64_t rows = BI_MAX_TOKENS * bi_info.world_size;
+    attach_outputs(&f, rows);
+    f.args.recv_x_scales = epx_tensor_2d(f.outputs[1], EPX_DTYPE_FP32, rows, BI_HIDDEN / 128);
+    bi_expect("dispatch: recv_x_scales given for bf16 x",
+              epx_dispatch(f.buffer, &f.args, &f.result, NULL), INVALID, "recv_x_scales");
+    CHECK_ERROR_MENTIONS("was given but this dispatch produces no");
+    bi_teardown(&f);
+}
+
+/* fp8 x needs hidden % 128 == 0; a bf16 buffer of hidden 64 takes bf16 x only. */
+static void run_fp8_narrow_hidden_case(void)
+{
+    const int64_t hidden = 64;
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = BI_MAX_TOKENS;
+    config.hidden = hidden;
+    config.num_experts = BI_EXPERTS_PER_RANK * bi_info.world_size;
+    config.num_topk = BI_TOPK;
+    epx_buffer_t buffer = NULL;
+    CHECK_OK(epx_buffer_create(bi_group, &config, &buffer));
+    void *x = mr_mem_alloc((size_t)(BI_TOKENS * hidden), 0);
+    void *idx = mr_mem_alloc((size_t)(BI_TOKENS * BI_TOPK) * 8, 0);
+    epx_dispatch_args_t args = EPX_DISPATCH_ARGS_INIT;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_FP8_E4M3, BI_TOKENS, hidden);
+    args.topk_idx = epx_tensor_2d(idx, EPX_DTYPE_INT64, BI_TOKENS, BI_TOPK);
+    epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
+    bi_expect("dispatch: fp8 x on a buffer of hidden 64",
+              epx_dispatch(buffer, &args, &result, NULL), INVALID, "hidden");
+    CHECK_ERROR_MENTIONS("fp8 x needs hidden to be a multiple of 128");
+    CHECK_OK(epx_buffer_destroy(buffer));
+    mr_mem_free(x);
+    mr_mem_free(idx);
+}
+
+/* Cached mode: x must have as many tokens as the handle routed. */
+static void run_cached_rows_case(void)
+{
+    bi_fixture_t f;
+    bi_setup(&f, EPX_DTYPE_BF16, BI_TOKENS);
+    CHECK_OK(epx_dispatch(f.buffer, &f.args, &f.result, NULL));
+    epx_handle_t handle = f.result.handle;
+    epx_dispatch_args_t cached = EPX_DISPATCH_ARGS_INIT;
+    cached.x = epx_tensor_2d(f.x, EPX_DTYPE_BF16, BI_TOKENS - 1, BI_HIDDEN);
+    cached.handle = handle;
+    epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
+    bi_expect("cached dispatch: x rows != the handle's",
+              epx_dispatch(f.buffer, &cached, &result, NULL), INVALID, "handle");
+    CHECK_ERROR_MENTIONS("x has 3 tokens but the handle routed 4");
+    CHECK(result.handle == NULL);
+    CHECK_OK(epx_handle_destroy(handle));
+    bi_teardown(&f);
+}
+
 /* The old args size (before the layout fields) is still accepted. */
 static void run_old_size_case(void)
 {
@@ -318,6 +376,9 @@ void bi_run_dispatch_cases(void)
     run_poison_case();
     run_negative_count_case();
     run_old_size_case();
+    run_unwanted_output_case();
+    run_fp8_narrow_hidden_case();
+    run_cached_rows_case();
     bi_expect("handle_get_rank_prefix_matrix: NULL handle",
               epx_handle_get_rank_prefix_matrix(NULL, &(epx_tensor_t)EPX_TENSOR_NONE), INVALID,
               "handle");

@@ -260,6 +260,16 @@ void bi_run_ll_cases(void)
     bi_expect("ll: dispatch args.size", epx_ll_dispatch(buffer, &args, &result, NULL),
               EPX_ERR_INVALID_ARG, "size");
     args = ll_args(LL_HIDDEN, LL_TOKENS);
+    bi_expect("ll: dispatch NULL args", epx_ll_dispatch(buffer, NULL, &result, NULL),
+              EPX_ERR_INVALID_ARG, "args");
+    CHECK_ERROR_MENTIONS("args is NULL");
+    bi_expect("ll: dispatch NULL result", epx_ll_dispatch(buffer, &args, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "result");
+    CHECK_ERROR_MENTIONS("result is NULL");
+    result.size += 8;
+    bi_expect("ll: dispatch result.size", epx_ll_dispatch(buffer, &args, &result, NULL),
+              EPX_ERR_INVALID_ARG, "EPX_LL_DISPATCH_RESULT_INIT");
+    result.size -= 8;
     args.x.dtype = EPX_DTYPE_FP32;
     bi_expect("ll: x not bf16", epx_ll_dispatch(buffer, &args, &result, NULL),
               EPX_ERR_INVALID_ARG, "x");
@@ -363,6 +373,45 @@ void bi_run_ll_cases(void)
     back.topk_weights.dtype = EPX_DTYPE_BF16;
     bi_expect("ll: combine topk_weights dtype", epx_ll_combine(buffer, &back, NULL, NULL),
               EPX_ERR_INVALID_ARG, "topk_weights");
+    bi_expect("ll: combine NULL args", epx_ll_combine(buffer, NULL, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "args");
+    CHECK_ERROR_MENTIONS("args is NULL");
+    back = ll_combine_args(result.handle, x);
+    back.size -= 8;
+    bi_expect("ll: combine args.size", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "EPX_LL_COMBINE_ARGS_INIT");
+    back = ll_combine_args(result.handle, x);
+    epx_ll_combine_result_t bad_result = EPX_LL_COMBINE_RESULT_INIT;
+    bad_result.size = 4;
+    bi_expect("ll: combine result.size", epx_ll_combine(buffer, &back, &bad_result, NULL),
+              EPX_ERR_INVALID_ARG, "EPX_LL_COMBINE_RESULT_INIT");
+    back.flags = 0x80;
+    bi_expect("ll: combine unknown flags", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "flags");
+    CHECK_ERROR_MENTIONS("unknown bits");
+    back = ll_combine_args(result.handle, (epx_tensor_t)EPX_TENSOR_NONE);
+    bi_expect("ll: combine x not given", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "x");
+    CHECK_ERROR_MENTIONS("x is required");
+    back = ll_combine_args(result.handle, x);
+    back.x.dtype = EPX_DTYPE_FP32;
+    bi_expect("ll: combine x dtype fp32", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "x");
+    CHECK_ERROR_MENTIONS("x has dtype fp32");
+    back = ll_combine_args(result.handle, x);
+    back.x.strides[2] = 2; /* every other element: not row major */
+    back.x.strides[1] = 2 * x.shape[2];
+    back.x.strides[0] = 2 * x.shape[1] * x.shape[2];
+    bi_expect("ll: combine x strided", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "x");
+    CHECK_ERROR_MENTIONS("must be contiguous");
+    back = ll_combine_args(result.handle, x);
+    back.topk_idx.shape[0] = LL_TOKENS - 1;
+    bi_expect("ll: combine topk_idx rows", epx_ll_combine(buffer, &back, NULL, NULL),
+              EPX_ERR_INVALID_ARG, "topk_idx");
+    bi_expect("ll: get_combine_buffer NULL x",
+              epx_ll_get_combine_buffer(buffer, result.handle, NULL), EPX_ERR_INVALID_ARG, "x");
+    CHECK_ERROR_MENTIONS("x is NULL");
     back = ll_combine_args(result.handle, x);
     back.handle.internal[0] ^= 1;
     bi_expect("ll: combine handle of another buffer", epx_ll_combine(buffer, &back, NULL, NULL),
@@ -372,9 +421,14 @@ void bi_run_ll_cases(void)
     bi_expect("ll: mask itself", epx_ll_mask_rank(buffer, bi_info.rank), EPX_ERR_INVALID_ARG,
               "rank");
     int32_t mask[1];
-    if (bi_info.world_size > 1)
-        bi_expect("ll: get_masked count", epx_ll_get_masked(buffer, mask, 1), EPX_ERR_INVALID_ARG,
-                  "count");
+    bi_expect("ll: get_masked NULL mask", epx_ll_get_masked(buffer, NULL, bi_info.world_size),
+              EPX_ERR_INVALID_ARG, "mask");
+    CHECK_ERROR_MENTIONS("mask is NULL");
+    /* One entry short of the world size (0 with one rank: this runs with one). */
+    bi_expect("ll: get_masked count",
+              epx_ll_get_masked(buffer, mask, bi_info.world_size - 1), EPX_ERR_INVALID_ARG,
+              "count");
+    CHECK_ERROR_MENTIONS("less than the world size");
 
     /* None of that had an effect: the step still combines. */
     size_t x_bytes = (size_t)(x.shape[0] * x.shape[1] * x.shape[2]) * 2;

@@ -133,6 +133,19 @@ void bi_run_register_remote_cases(void)
                        epx_buffer_deregister(f.buffer, bi_info.rank == 1 ? a + 16 : a), INVALID,
                        "start");
     expect_usable(&f);
+
+    /* Two ranges, then rank 0 deregisters the first while the others deregister the
+     * second: every rank is refused (the calls are out of order), nothing changes. */
+    char *b = mr_mem_alloc(RANGE_BYTES, 0);
+    CHECK_OK(epx_buffer_register(f.buffer, b, RANGE_BYTES));
+    bi_expect("deregister, ranks in a different order",
+              epx_buffer_deregister(f.buffer, bi_info.rank == 0 ? a : b), INVALID,
+              "same order");
+    CHECK_ERROR_MENTIONS(bi_info.rank == 0 ? "rank 1's call is for registered range"
+                                           : "rank 0's call is for registered range");
+    CHECK_OK(epx_buffer_deregister(f.buffer, b));
+    mr_mem_free(b);
+
     CHECK_OK(epx_buffer_deregister(f.buffer, a));
     bi_teardown(&f);
     mr_mem_free(a);

@@ -157,6 +157,11 @@ static void check_rejoined(epx_buffer_t buffer, const context_t *ctx)
     epx_dispatch_result_t result = EPX_DISPATCH_RESULT_INIT;
     CHECK_STATUS(epx_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_STATE);
     CHECK_ERROR_MENTIONS("low-latency mode only");
+    /* Registered ranges are for normal mode's combine: refused on every rank alike (the
+     * call is collective; every rank of the buffer's group checks here). */
+    static char range[256];
+    CHECK_STATUS(epx_buffer_register(buffer, range, sizeof range), EPX_ERR_INVALID_STATE);
+    CHECK_ERROR_MENTIONS("ranges are for normal mode's combine");
 }
 
 /* Shared-memory mappings and descriptors of this process (a rejoin must not add any). */

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "epx_tool.h"
 #include "harness.h"
 #include "mem.h"
 #include "moe_case.h"
@@ -654,6 +655,14 @@ static void check_refused_across_nodes(const nt_ctx_t *ctx, epx_group_t group,
     CHECK_OK(epx_buffer_destroy(buffer));
 
     CHECK_OK(epx_buffer_create(group, config, &buffer));
+    /* The fan-out copy (tool support) is for ranks that map each other's memory: refused
+     * on this rank alone, before any exchange, with no effect on the buffer. */
+    epx_fanout_args_t fanout = EPX_FANOUT_ARGS_INIT;
+    fanout.src = x;
+    fanout.rows = 1;
+    fanout.row_bytes = 16;
+    CHECK_STATUS(epx_fanout_copy(buffer, &fanout, NULL), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("the group spans nodes");
     args.topk_idx = (epx_tensor_t)EPX_TENSOR_NONE;
     args.topk_weights = (epx_tensor_t)EPX_TENSOR_NONE;
     args.is_token_in_rank = epx_tensor_2d(x, EPX_DTYPE_BOOL, n, c->world_size);

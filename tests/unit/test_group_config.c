@@ -328,6 +328,15 @@ static void test_from_env(void)
     CHECK_ERROR_MENTIONS("EPX_UNIQUE_ID");
     CHECK_STATUS(epx_group_create_from_env((epx_backend_t)9, &group), EPX_ERR_INVALID_ARG);
     CHECK_ERROR_MENTIONS("backend 9");
+    set_env("0", NULL, NULL);
+    CHECK_STATUS(epx_group_create_from_env(EPX_BACKEND_HOST, &group), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("EPX_RANK is set but EPX_WORLD_SIZE is not");
+    set_env("2", "2", NULL);
+    CHECK_STATUS(epx_group_create_from_env(EPX_BACKEND_HOST, &group), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("EPX_RANK=2 is not a rank of EPX_WORLD_SIZE=2");
+    set_env(NULL, NULL, NULL);
+    CHECK_STATUS(epx_group_create_from_env(EPX_BACKEND_HOST, NULL), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("group is NULL");
     CHECK(group == SENTINEL);
 
     epx_unique_id_t id;

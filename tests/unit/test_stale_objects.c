@@ -84,6 +84,10 @@ static void case_handle_used_after_destroy(void)
     CHECK_ERROR_MENTIONS("handle");
     epx_handle_info_t info = EPX_HANDLE_INFO_INIT;
     CHECK_STATUS(epx_handle_get_info(f.handle, &info), EPX_ERR_INVALID_ARG);
+    epx_tensor_t matrix;
+    CHECK_STATUS(epx_handle_get_rank_prefix_matrix(f.handle, &matrix), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("handle_get_rank_prefix_matrix");
+    CHECK_ERROR_MENTIONS("destroyed");
     epx_tensor_t view;
     CHECK_STATUS(epx_get_combine_input(f.buffer, f.handle, &view), EPX_ERR_INVALID_ARG);
     /* Cached dispatch with the destroyed handle. */

@@ -119,6 +119,13 @@ static void test_buffer_size_plan(void)
                  EPX_ERR_INVALID_ARG);
     CHECK_STATUS(epx_buffer_size_plan(EPX_BACKEND_HOST, 8, 0, NULL, &untouched),
                  EPX_ERR_INVALID_ARG);
+#ifndef EPX_WITH_CUDA
+    /* Planning for a backend this build lacks: unsupported, naming it. */
+    config.num_experts = 16;
+    CHECK_STATUS(epx_buffer_size_plan(EPX_BACKEND_CUDA, 8, 0, &config, &untouched),
+                 EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("backend cuda is not built");
+#endif
     CHECK_EQ_INT((long long)untouched, 12345);
 }
 
@@ -235,6 +242,11 @@ static void test_internode_plan(void)
 #else
     CHECK_STATUS(standard_plan("", &worst), EPX_ERR_UNSUPPORTED);
     CHECK_ERROR_MENTIONS("CUDA backend");
+    /* The arguments are checked before the build is: the same refusals as with CUDA. */
+    CHECK_STATUS(standard_plan("", NULL), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("EPX_INTERNODE_PLAN_INIT");
+    CHECK_STATUS(epx_internode_plan(8, 8, NULL, &worst), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("two nodes");
 #endif
 }
 
@@ -243,8 +255,11 @@ static void test_plugin_probe(void)
     char path[PATH_MAX];
     int version[3] = {0, 0, 0};
     CHECK_STATUS(epx_nvshmem_plugin_probe(NULL, sizeof(path), version), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("path is NULL or empty");
     CHECK_STATUS(epx_nvshmem_plugin_probe(path, 0, version), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("path is NULL or empty");
     CHECK_STATUS(epx_nvshmem_plugin_probe(path, sizeof(path), NULL), EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS("version is NULL");
     /* Nowhere to find it: refused with where it looked (a build with CUDA), or because
      * this build never loads it. */
     setenv("EPX_NVSHMEM_PLUGIN", "/nonexistent/libepx_nvshmem.so", 1);
