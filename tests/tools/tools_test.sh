@@ -141,6 +141,7 @@ launch_mps)
 #!/bin/sh
 if [ "\$1" = -d ]; then input=-; else input=\$(cat); fi
 echo "args=\$* pipe=\$CUDA_MPS_PIPE_DIRECTORY log=\$CUDA_MPS_LOG_DIRECTORY in=\$input" >>"$TMP/mps.log"
+[ -z "\$MPS_HANG_QUIT" ] || [ "\$1" = -d ] || exec sleep 600
 [ -z "\$MPS_FAIL_START" ] || [ "\$1" != -d ]
 MPS
     chmod +x "$TMP/bin/nvidia-cuda-mps-control"
@@ -163,6 +164,12 @@ MPS
     expect_rc 1
     expect_err "nvidia-cuda-mps-control -d' failed"
     expect_count 'ran' out 0
+    remove_mps_dir
+    # A control program that does not finish is stopped at --timeout (60 s without it).
+    run env MPS_HANG_QUIT=1 PATH="$TMP/bin:$PATH" "$EPX" launch --mps --timeout 2 -n 2 -- true
+    expect_rc 0
+    expect_err "'nvidia-cuda-mps-control (quit)' did not finish within 2 s; stopped it"
+    expect_err "'echo quit | nvidia-cuda-mps-control' failed"
     remove_mps_dir
     # Not installed: a clear message.
     run env PATH="$TMP/nobin" "$EPX" launch --mps -n 2 -- true

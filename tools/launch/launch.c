@@ -8,6 +8,8 @@
  */
 #include <errno.h>
 #include <ftw.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,8 +78,12 @@ static int found_in_path(const char *name)
     return 0;
 }
 
-/* Run the MPS control program with `input` (may be NULL) on its stdin; its status. */
-static int run_mps_control(const char *argument, const char *input)
+/* How long one call of the MPS control program may take when --timeout is not given. */
+#define MPS_CONTROL_LIMIT_S 60.0
+
+/* Run the MPS control program with `input` (may be NULL) on its stdin; its status, or -1
+ * (said why) when it could not run or did not finish within `limit_s` (then killed). */
+static int run_mps_control(const char *argument, const char *input, double limit_s)
 {
     int input_pipe[2] = {-1, -1};
     if (input != NULL && pipe(input_pipe) != 0) {
@@ -112,9 +118,22 @@ static int run_mps_control(const char *argument, const char *input)
         close(input_pipe[1]);
     }
     int wait_status = 0;
-    while (waitpid(pid, &wait_status, 0) < 0) {
-        if (errno != EINTR)
+    int64_t deadline = epx__tool_now_ns() + (int64_t)(limit_s * 1e9);
+    for (;;) {
+        pid_t done = waitpid(pid, &wait_status, WNOHANG);
+        if (done == pid)
+            break;
+        if (done < 0 && errno != EINTR)
             return -1;
+        if (epx__tool_now_ns() > deadline) {
+            kill(pid, SIGKILL);
+            while (waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
+            }
+            fprintf(stderr, "epx launch: --mps: '%s %s' did not finish within %.0f s; stopped it\n",
+                    MPS_CONTROL, argument != NULL ? argument : "(quit)", limit_s);
+            return -1;
+        }
+        usleep(10000);
     }
     if (WIFEXITED(wait_status))
         return WEXITSTATUS(wait_status);
@@ -135,7 +154,7 @@ static int make_dir(const char *path)
  * with another user's daemon; the directories go into the environment the ranks
  * inherit, which is how their CUDA runtime finds this daemon.
  */
-static int start_mps(char *root, size_t root_size)
+static int start_mps(char *root, size_t root_size, double limit_s)
 {
     if (!found_in_path(MPS_CONTROL)) {
         fprintf(stderr,
@@ -152,7 +171,7 @@ static int start_mps(char *root, size_t root_size)
         return -1;
     setenv("CUDA_MPS_PIPE_DIRECTORY", pipe_dir, 1);
     setenv("CUDA_MPS_LOG_DIRECTORY", log_dir, 1);
-    int status = run_mps_control("-d", NULL);
+    int status = run_mps_control("-d", NULL, limit_s);
     if (status != 0) {
         fprintf(stderr, "epx launch: --mps: '%s -d' failed (status %d); see %s\n", MPS_CONTROL,
                 status, log_dir);
@@ -171,9 +190,9 @@ static int remove_entry(const char *path, const struct stat *info, int type, str
 }
 
 /* Ask the daemon to quit (same environment as at start), then tidy its directories. */
-static void stop_mps(const char *root, int keep_logs)
+static void stop_mps(const char *root, int keep_logs, double limit_s)
 {
-    int status = run_mps_control(NULL, "quit\n");
+    int status = run_mps_control(NULL, "quit\n", limit_s);
     if (status != 0) {
         fprintf(stderr, "epx launch: --mps: 'echo quit | %s' failed (status %d); the daemon "
                 "may still run with CUDA_MPS_PIPE_DIRECTORY=%s/pipe\n", MPS_CONTROL, status,
@@ -207,13 +226,15 @@ int epx__launch_run(const epx__launch_options_t *options)
         return 1;
     }
     char mps_root[256] = "";
-    if (options->use_mps && start_mps(mps_root, sizeof(mps_root)) != 0)
+    /* The MPS control program's calls are bounded too: by --timeout when given. */
+    double mps_limit_s = options->timeout_s > 0 ? options->timeout_s : MPS_CONTROL_LIMIT_S;
+    if (options->use_mps && start_mps(mps_root, sizeof(mps_root), mps_limit_s) != 0)
         return 1;
 
     int exit_status = epx__launch_ranks(options, id_text);
 
     if (options->use_mps)
-        stop_mps(mps_root, exit_status != 0);
+        stop_mps(mps_root, exit_status != 0, mps_limit_s);
     return exit_status;
 }
 
