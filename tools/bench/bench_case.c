@@ -276,6 +276,17 @@ static void *copy_out(bench_case_t *bc, const epx_tensor_t *tensor, int64_t rows
                     epx__bench_copy_rows_out(bc->device, host, tensor->data, rows, row_bytes,
                                              (size_t)stride * element),
                     "bench copy of results");
+    /* The copy waited for the operations before it: one that failed on the device (a
+     * peer that did not answer) is said as such, not as the wrong values it left. */
+    epx_status_t failed = EPX_SUCCESS;
+    char message[512] = "";
+    epx__bench_must(bc->rank, epx_get_async_error(bc->buffer, &failed, message, sizeof(message)),
+                    "epx_get_async_error");
+    if (failed != EPX_SUCCESS) {
+        fprintf(stderr, "epx bench: rank %d: %s: an operation failed on the device: %s: %s\n",
+                bc->rank, bc->label, epx_status_name(failed), message);
+        exit(1);
+    }
     return host;
 }
 
