@@ -69,28 +69,6 @@ int epx__doctor_read_all(int fd, void *data, size_t bytes, int64_t deadline_ns)
     return 0;
 }
 
-int epx__doctor_wait_child(pid_t pid, int64_t deadline_ns)
-{
-    for (;;) {
-        int status = 0;
-        pid_t done = waitpid(pid, &status, WNOHANG);
-        if (done == pid)
-            return status;
-        if (done < 0 && errno != EINTR)
-            return -1;
-        if (epx__tool_now_ns() >= deadline_ns)
-            break;
-        struct timespec pause = {0, 5 * 1000 * 1000};
-        nanosleep(&pause, NULL);
-    }
-    /* The child leads its own group: this also ends whatever it started. */
-    kill(-pid, SIGKILL);
-    kill(pid, SIGKILL);
-    while (waitpid(pid, NULL, 0) < 0 && errno == EINTR) {
-    }
-    return -1;
-}
-
 void epx__doctor_child_output_tail(char *out, size_t out_size)
 {
     if (out_size == 0)
@@ -209,7 +187,7 @@ int epx__doctor_run_child(epx__doctor_report_t *report, const char *name, double
     epx__doctor_report_t received = EPX__DOCTOR_REPORT_INIT;
     int read_ok = read_result(result_pipe[0], deadline, &received, facts, facts_size) == 0;
     close(result_pipe[0]);
-    int status = epx__doctor_wait_child(pid, read_ok ? epx__tool_now_ns() + 5000000000LL : deadline);
+    int status = epx__tool_wait_child(pid, read_ok ? epx__tool_now_ns() + 5000000000LL : deadline);
     int outcome = EPX__DOCTOR_CHILD_DONE;
     if (read_ok && status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0) {
         for (int i = 0; i < received.count; i++)
@@ -370,7 +348,7 @@ int epx__doctor_run_program(char *const argv[], const char *input, char *output,
     }
     close(out_pipe[0]);
     close(err_pipe[0]);
-    int status = epx__doctor_wait_child(pid, out_open || err_open ? epx__tool_now_ns() : deadline);
+    int status = epx__tool_wait_child(pid, out_open || err_open ? epx__tool_now_ns() : deadline);
     if (status < 0) {
         if (timed_out != NULL)
             *timed_out = 1;

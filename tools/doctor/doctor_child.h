@@ -33,13 +33,6 @@ int epx__doctor_run_child(epx__doctor_report_t *report, const char *name, double
 /* In a child run by epx__doctor_run_child: the last line it (or its children) printed. */
 void epx__doctor_child_output_tail(char *out, size_t out_size);
 
-/*
- * Wait until `pid` exits or the monotonic clock passes deadline_ns; then kill its
- * process group (pid must lead one) and reap it. Returns the wait status, or -1 when
- * it had to be killed or could not be waited for.
- */
-int epx__doctor_wait_child(pid_t pid, int64_t deadline_ns);
-
 /* Write / read exactly `bytes` (retrying on EINTR and short transfers); 0 on success. */
 int epx__doctor_write_all(int fd, const void *data, size_t bytes);
 int epx__doctor_read_all(int fd, void *data, size_t bytes, int64_t deadline_ns);

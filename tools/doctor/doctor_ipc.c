@@ -225,7 +225,7 @@ static void coordinate(epx__doctor_report_t *report, void *arg, void *facts)
     }
     for (int role = 0; role < 2; role++) {
         if (pids[role] > 0)
-            epx__doctor_wait_child(pids[role], epx__tool_now_ns() + 2000000000LL);
+            epx__tool_wait_child(pids[role], epx__tool_now_ns() + 2000000000LL);
     }
     close_pair(a_to_b);
     close_pair(b_to_a);

@@ -531,7 +531,7 @@ static void coordinate_bootstrap(epx__doctor_report_t *report, void *arg, void *
     }
     for (int rank = 0; rank < 2; rank++) {
         if (pids[rank] > 0)
-            epx__doctor_wait_child(pids[rank], epx__tool_now_ns() + 2000000000LL);
+            epx__tool_wait_child(pids[rank], epx__tool_now_ns() + 2000000000LL);
     }
     for (int rank = 0; rank < 2; rank++) {
         if (!got[rank].ok) {

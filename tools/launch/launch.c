@@ -8,7 +8,6 @@
  */
 #include <errno.h>
 #include <ftw.h>
-#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,23 +116,13 @@ static int run_mps_control(const char *argument, const char *input, double limit
         (void)written; /* a control program that died early shows in its status */
         close(input_pipe[1]);
     }
-    int wait_status = 0;
     int64_t deadline = epx__tool_now_ns() + (int64_t)(limit_s * 1e9);
-    for (;;) {
-        pid_t done = waitpid(pid, &wait_status, WNOHANG);
-        if (done == pid)
-            break;
-        if (done < 0 && errno != EINTR)
-            return -1;
-        if (epx__tool_now_ns() > deadline) {
-            kill(pid, SIGKILL);
-            while (waitpid(pid, &wait_status, 0) < 0 && errno == EINTR) {
-            }
+    int wait_status = epx__tool_wait_child(pid, deadline);
+    if (wait_status < 0) {
+        if (epx__tool_now_ns() >= deadline)
             fprintf(stderr, "epx launch: --mps: '%s %s' did not finish within %.0f s; stopped it\n",
                     MPS_CONTROL, argument != NULL ? argument : "(quit)", limit_s);
-            return -1;
-        }
-        usleep(10000);
+        return -1;
     }
     if (WIFEXITED(wait_status))
         return WEXITSTATUS(wait_status);
