@@ -269,9 +269,9 @@ static epx_status_t vote_created(epx_group_t group, const epx__cuda_buffer_t *cu
         EPX_WARN(EPX_SUBSYS_OPS,
                  "buffer_create: %d ranks share this GPU (device %d, %d SMs) and their "
                  "buffers' SM budgets add up to %lld SMs: a rank's kernels may find no free "
-                 "SM while its peers' kernels wait for it, and operations then fail on "
-                 "their timeout; keep the ranks' num_sms (EPX_NUM_SMS, --sms) at %d or "
-                 "fewer each",
+                 "SM while its peers' kernels wait for it (low-latency receives: every "
+                 "block waits), and operations then fail on their timeout; keep the ranks' "
+                 "num_sms (EPX_NUM_SMS, --sms) at %d or fewer each",
                  ranks, group->device, gpu_sms, (long long)sms, gpu_sms / ranks);
     return status;
 }

@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
      * several ranks on one GPU whose SM budgets add up to more than it has (8 ranks x 24
      * SMs on an H200), one rank's parked pull blocks could take the SMs a late peer
      * needed to publish its input: no progress until the timeout (docs/PERFORMANCE.md,
-     * ninth session). The start-trigger form was 0-14 us faster at 16 SMs a rank, the
-     * form here measured the same as it at 16 SMs (sixth session). */
+     * ninth session). The start trigger was 3-14 us faster than no early launch at 16
+     * SMs a rank (fifth session); this form measured the same as it (sixth session). */
     __syncthreads();
     epx_let_next_start();
 }
