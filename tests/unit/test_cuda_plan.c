@@ -141,6 +141,43 @@ static void check_scan(void)
             check_scan_tiles(tokens, budget, 0);
 }
 
+/* Ranks sharing a GPU, by UUID: how many, the lowest, their SM budgets added up. */
+static void check_gpu_share(void)
+{
+    /* 6 ranks: 0, 2, 5 on GPU A; 1, 4 on GPU B; 3 with an unknown GPU (all-zero UUID). */
+    epx__cuda_gpu_vote_t votes[6];
+    memset(votes, 0, sizeof(votes));
+    const int gpu[6] = {'A', 'B', 'A', 0, 'B', 'A'};
+    for (int r = 0; r < 6; r++) {
+        votes[r].num_sms = 10 + r;
+        if (gpu[r] != 0) {
+            votes[r].uuid[0] = (uint8_t)gpu[r];
+            votes[r].uuid[15] = 7;
+        }
+    }
+    int ranks = -1, first = -1;
+    int64_t sms = -1;
+    epx__cuda_gpu_share(votes, 6, 5, &ranks, &first, &sms);
+    CHECK(ranks == 3 && first == 0 && sms == 10 + 12 + 15);
+    epx__cuda_gpu_share(votes, 6, 0, &ranks, &first, &sms);
+    CHECK(ranks == 3 && first == 0 && sms == 37);
+    epx__cuda_gpu_share(votes, 6, 4, &ranks, &first, &sms);
+    CHECK(ranks == 2 && first == 1 && sms == 11 + 14);
+    /* An unknown GPU is shared with nobody, not with the other unknown ones. */
+    votes[1].uuid[0] = 0;
+    votes[1].uuid[15] = 0;
+    epx__cuda_gpu_share(votes, 6, 3, &ranks, &first, &sms);
+    CHECK(ranks == 1 && first == 3 && sms == 13);
+    epx__cuda_gpu_share(votes, 6, 1, &ranks, &first, &sms);
+    CHECK(ranks == 1 && first == 1 && sms == 11);
+    epx__cuda_gpu_share(votes, 6, 4, &ranks, &first, &sms);
+    CHECK(ranks == 1 && first == 4 && sms == 14);
+    /* UUIDs differing in their last byte only are two GPUs. */
+    votes[2].uuid[15] = 8;
+    epx__cuda_gpu_share(votes, 6, 2, &ranks, &first, &sms);
+    CHECK(ranks == 1 && first == 2 && sms == 12);
+}
+
 int main(void)
 {
     /* Without a driver or GPU this is 0, never a failure or a crash. */
@@ -152,6 +189,7 @@ int main(void)
     check_plan(EPX_CUDA_MAX_RANKS, 17, 384, EPX_CUDA_MAX_RANKS * 2, 3);
     check_refusals();
     check_scan();
+    check_gpu_share();
     printf("test_cuda_plan: ok (%d CUDA device%s visible)\n", devices, devices == 1 ? "" : "s");
     return 0;
 }

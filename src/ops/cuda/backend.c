@@ -217,6 +217,65 @@ epx_status_t epx__cuda_vote(epx_group_t group, epx_status_t status, const char *
     return status;
 }
 
+void epx__cuda_gpu_share(const epx__cuda_gpu_vote_t *votes, int world_size, int rank,
+                         int *ranks, int *first, int64_t *sms)
+{
+    static const uint8_t unknown[16] = {0};
+    const uint8_t *mine = votes[rank].uuid;
+    int known = memcmp(mine, unknown, sizeof(unknown)) != 0;
+    *ranks = 0;
+    *first = rank;
+    *sms = 0;
+    for (int r = 0; r < world_size; r++) {
+        if (r != rank && (!known || memcmp(votes[r].uuid, mine, sizeof(unknown)) != 0))
+            continue;
+        if (*ranks == 0)
+            *first = r;
+        *ranks += 1;
+        *sms += votes[r].num_sms;
+    }
+}
+
+/*
+ * buffer_create's last vote (every rank's status), which also carries each rank's GPU
+ * and SM budget: the lowest of the ranks sharing a GPU warns when their budgets add up
+ * to more SMs than it has.
+ */
+static epx_status_t vote_created(epx_group_t group, const epx__cuda_buffer_t *cuda,
+                                 epx_status_t status)
+{
+    int world = group->world_size;
+    epx__cuda_gpu_vote_t mine;
+    memset(&mine, 0, sizeof(mine));
+    mine.num_sms = cuda->num_sms;
+    struct cudaDeviceProp prop;
+    int gpu_sms = 0;
+    if (status == EPX_SUCCESS && cudaGetDeviceProperties(&prop, group->device) == cudaSuccess) {
+        memcpy(mine.uuid, prop.uuid.bytes, sizeof(mine.uuid));
+        gpu_sms = prop.multiProcessorCount;
+    }
+    (void)cudaGetLastError();
+    epx__cuda_gpu_vote_t *all = calloc((size_t)world, sizeof(*all));
+    if (all == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
+    status = epx__bootstrap_vote(group->bootstrap, world, status, &mine, all, sizeof(mine),
+                                 "buffer_create", "failed");
+    int ranks = 0, first = 0;
+    int64_t sms = 0;
+    if (status == EPX_SUCCESS)
+        epx__cuda_gpu_share(all, world, group->rank, &ranks, &first, &sms);
+    free(all);
+    if (ranks > 1 && gpu_sms > 0 && sms > gpu_sms && group->rank == first)
+        EPX_WARN(EPX_SUBSYS_OPS,
+                 "buffer_create: %d ranks share this GPU (device %d, %d SMs) and their "
+                 "buffers' SM budgets add up to %lld SMs: a rank's kernels may find no free "
+                 "SM while its peers' kernels wait for it (low-latency receives: every "
+                 "block waits), and operations then fail on their timeout; keep the ranks' "
+                 "num_sms (EPX_NUM_SMS, --sms) at %d or fewer each",
+                 ranks, group->device, gpu_sms, (long long)sms, gpu_sms / ranks);
+    return status;
+}
+
 static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
 {
     epx_group_t group = buffer->group;
@@ -255,7 +314,7 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     /* Low-latency mode (collective as well; a failure above joins its votes). */
     status = epx__cuda_ll_create(buffer, status, &cuda->ll);
     /* Everyone learns whether everyone is ready before any rank starts an operation. */
-    status = epx__cuda_vote(group, status, "buffer_create", "failed");
+    status = vote_created(group, cuda, status);
     if (status != EPX_SUCCESS) {
         release_buffer(cuda);
         return status;

@@ -43,11 +43,6 @@
 __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t s,
                                                                epx__cuda_combine_args_t a)
 {
-    /* The pull kernel's blocks may take their SMs now and wait there (at their
-     * epx_wait_previous) while this block waits for the peers: the form measured 3-14 us
-     * faster at 16 SMs a rank (docs/PERFORMANCE.md). (A thread's trigger counts for its
-     * whole block, so a trigger after the waits below would need a block barrier first.) */
-    epx_let_next_start();
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     /* The pull kernel's token tickets start from zero (it reads them only after this
@@ -66,6 +61,16 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     }
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_wait_flag(s, &epx_slot(s, me, r)->ready_flag, seq, EPX_CUDA_STAGE_COMBINE_READY, r);
+    /* Only now may the pull kernel's blocks take their SMs (a thread's trigger counts for
+     * its whole block, hence the barrier: every thread has passed its wait). Triggered at
+     * this kernel's start, they sat on their SMs while it waited for the peers, and with
+     * several ranks on one GPU whose SM budgets add up to more than it has (8 ranks x 24
+     * SMs on an H200), one rank's parked pull blocks could take the SMs a late peer
+     * needed to publish its input: no progress until the timeout (docs/PERFORMANCE.md,
+     * ninth session). The start trigger was 3-14 us faster than no early launch at 16
+     * SMs a rank (fifth session); this form measured the same as it (sixth session). */
+    __syncthreads();
+    epx_let_next_start();
 }
 
 /*

@@ -93,6 +93,24 @@ typedef struct {
 epx_status_t epx__cuda_vote(epx_group_t group, epx_status_t status, const char *op,
                             const char *what);
 
+/*
+ * One rank's GPU and SM budget, as the last vote of buffer_create gathers them: ranks
+ * sharing one GPU (CUDA MPS) whose budgets add up to more SMs than it has can leave a
+ * rank's kernels without an SM while its peers' kernels wait for it (then operations
+ * fail on their timeout), so the lowest of them warns.
+ */
+typedef struct {
+    int32_t status;   /* the vote's (epx__bootstrap_vote) */
+    int32_t num_sms;  /* the buffer's SM budget on this rank */
+    uint8_t uuid[16]; /* the GPU's (cudaDeviceProp.uuid); all zero when unknown */
+} epx__cuda_gpu_vote_t;
+
+/* Among `votes` ([world_size]), the ranks on rank `rank`'s GPU: how many (itself
+ * included), the lowest of them, and their SM budgets added up. A rank whose GPU is
+ * unknown (an all-zero UUID) counts alone. */
+void epx__cuda_gpu_share(const epx__cuda_gpu_vote_t *votes, int world_size, int rank,
+                         int *ranks, int *first, int64_t *sms);
+
 /* epx_buffer_register's backend part (registered.c): the table's register_range and
  * unregister_range, and the release of every range (buffer teardown, local). */
 epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot);
