@@ -12,6 +12,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/ll.h"
 #include "transport/cuda_status.h"
 #include "transport/nvshmem/nvshmem.h"
@@ -172,6 +173,9 @@ epx_status_t epx__cuda_nvshmem_setup(epx_group_t group, size_t sym_bytes, epx_st
     status = epx__nvshmem_setup(&ranks, group, sym_bytes, status);
     if (status == EPX_SUCCESS)
         status = find_kernels(plugin);
+    /* The caller's next step (nvshmem_malloc) is collective: a rank whose plugin lacks
+     * the kernels must not leave its peers waiting there, so all learn it first. */
+    status = epx__cuda_vote(group, status, "buffer_create", "could not set up NVSHMEM");
     if (status == EPX_SUCCESS)
         epx__nvshmem_user_begin();
     return status;
@@ -339,6 +343,9 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
     status = epx__nvshmem_setup(&ranks, group, ll != NULL ? ll->sym_bytes : 0, status);
     if (status == EPX_SUCCESS)
         status = find_kernels(&ll->plugin);
+    /* nvshmem_malloc below is collective: a rank whose plugin lacks the kernels must not
+     * leave its peers waiting there, so all learn it first. */
+    status = epx__cuda_vote(group, status, "buffer_create", "could not set up NVSHMEM");
     if (status != EPX_SUCCESS) {
         free(ll);
         return status;
