@@ -241,13 +241,21 @@ typedef struct {
      * bf16 and fp8 calls work; FP8_E4M3 sizes them for fp8 (about half the low-latency
      * memory) and epx_ll_dispatch then refuses use_fp8 = 0. */
     epx_dtype_t low_latency_dtype;
+    /* Normal-mode combine from an x outside the buffer and outside epx_buffer_register's
+     * ranges: 1 = map x's allocation for the peers the first time it is seen and read it
+     * in place from then on, as if registered (the CUDA backend; "Combine inputs mapped on
+     * demand" in docs/DESIGN.md); -1 = copy x into the buffer first; 0 (default) =
+     * EPX_AUTO_REGISTER (1 or 0; unset: copy). Every rank must resolve to the same. With
+     * it on, each combine exchanges a few bytes between the ranks' hosts. */
+    int auto_register;
 } epx_buffer_config_t;
 
-/* Earlier sizes accepted: offsetof(epx_buffer_config_t, max_low_latency_tokens) and
- * offsetof(epx_buffer_config_t, low_latency_dtype) (epx before low-latency mode and
- * before low_latency_dtype); the fields past them take their defaults. */
+/* Earlier sizes accepted: offsetof(epx_buffer_config_t, max_low_latency_tokens),
+ * offsetof(epx_buffer_config_t, low_latency_dtype) and offsetof(epx_buffer_config_t,
+ * auto_register) (epx before low-latency mode, before low_latency_dtype and before
+ * auto_register); the fields past them take their defaults. */
 #define EPX_BUFFER_CONFIG_INIT \
-    {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0, EPX_DTYPE_BF16}
+    {sizeof(epx_buffer_config_t), 0, 0, 0, 0, EPX_DTYPE_BF16, 0, 0, EPX_DTYPE_BF16, 0}
 
 /* Bytes of communication memory one rank allocates for this config (no allocation). */
 epx_status_t epx_buffer_size(epx_group_t group, const epx_buffer_config_t *config,

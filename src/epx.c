@@ -113,6 +113,8 @@ typedef struct {
     int32_t num_topk;
     int32_t dispatch_dtype;
     int32_t low_latency_dtype;
+    int32_t auto_register;
+    int32_t pad;
     int64_t max_tokens_per_rank;
     int64_t hidden;
     int64_t max_low_latency_tokens;
@@ -132,6 +134,7 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
         mine.num_topk = config->num_topk;
         mine.dispatch_dtype = (int32_t)config->dispatch_dtype;
         mine.low_latency_dtype = (int32_t)config->low_latency_dtype;
+        mine.auto_register = config->auto_register;
         mine.max_tokens_per_rank = config->max_tokens_per_rank;
         mine.hidden = config->hidden;
         mine.max_low_latency_tokens = config->max_low_latency_tokens;
@@ -153,6 +156,13 @@ static epx_status_t agree_on_config(epx_group_t group, const epx_buffer_config_t
                                "buffer_create: rank %d's config differs from rank %d's (every "
                                "rank must pass the same shape)",
                                r, group->rank);
+        else if (v->auto_register != mine.auto_register)
+            status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                               "buffer_create: rank %d combines with auto_register %s, rank %d "
+                               "with %s (config.auto_register or EPX_AUTO_REGISTER must agree "
+                               "on every rank)",
+                               r, v->auto_register > 0 ? "on" : "off", group->rank,
+                               mine.auto_register > 0 ? "on" : "off");
     }
     free(votes);
     return status;

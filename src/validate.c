@@ -21,9 +21,10 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: group is NULL");
     if (config == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "buffer: config is NULL");
-    /* Configs from before max_low_latency_tokens and low_latency_dtype were appended are
-     * still accepted; the fields they lack read as 0. */
+    /* Configs from before max_low_latency_tokens, low_latency_dtype and auto_register
+     * were appended are still accepted; the fields they lack read as 0. */
     if (config->size != sizeof(epx_buffer_config_t) &&
+        config->size != offsetof(epx_buffer_config_t, auto_register) &&
         config->size != offsetof(epx_buffer_config_t, low_latency_dtype) &&
         config->size != offsetof(epx_buffer_config_t, max_low_latency_tokens))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
@@ -68,6 +69,12 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
                          "buffer: config.max_low_latency_tokens is %lld, expected 0 (off)..65536",
                          (long long)config->max_low_latency_tokens);
     if (config->size == sizeof(epx_buffer_config_t) &&
+        (config->auto_register < -1 || config->auto_register > 1))
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "buffer: config.auto_register is %d, expected -1 (copy x in), 0 "
+                         "(EPX_AUTO_REGISTER) or 1 (map x's allocation)",
+                         config->auto_register);
+    if (config->size > offsetof(epx_buffer_config_t, low_latency_dtype) &&
         config->low_latency_dtype != EPX_DTYPE_INVALID &&
         !is_token_dtype(config->low_latency_dtype))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
@@ -75,7 +82,7 @@ epx_status_t epx__validate_buffer_config(epx_group_t group, const epx_buffer_con
                          "fp8_e4m3",
                          epx_dtype_name(config->low_latency_dtype),
                          (int)config->low_latency_dtype);
-    if (config->size == sizeof(epx_buffer_config_t) &&
+    if (config->size > offsetof(epx_buffer_config_t, low_latency_dtype) &&
         config->low_latency_dtype == EPX_DTYPE_FP8_E4M3 && config->hidden % EPX__FP8_BLOCK != 0)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer: config.low_latency_dtype is fp8_e4m3 but config.hidden is "
@@ -93,6 +100,9 @@ void epx__buffer_config_read(const epx_buffer_config_t *config, epx_buffer_confi
     /* Backends see BF16 or FP8_E4M3 only: 0 (and a config without the field) means BF16. */
     if (full->low_latency_dtype == EPX_DTYPE_INVALID)
         full->low_latency_dtype = EPX_DTYPE_BF16;
+    /* Backends see 1 or -1: 0 (and a config without the field) means EPX_AUTO_REGISTER. */
+    if (full->auto_register == 0)
+        full->auto_register = epx__param_int(EPX_PARAM_AUTO_REGISTER) ? 1 : -1;
 }
 
 epx_status_t epx__validate_topk_values(const char *op, const epx_tensor_t *topk_idx,

@@ -118,6 +118,9 @@ void epx__log_set_rank(int rank);
       "Normal-mode data kernels on one node: 1 = vector copies, 2 = TMA bulk-copy rings, " \
       "3 = staged dispatch (loader warps fill shared-memory rings, store warps empty them) " \
       "with the vector combine")                                                            \
+    X(AUTO_REGISTER, INT, 0, 0, 1,                                                          \
+      "Buffers whose config.auto_register is 0: 1 = combine maps an x outside the buffer " \
+      "for the peers and reads it in place (docs/DESIGN.md), 0 = copies it in")            \
     X(LL_FORCE_PUTS, INT, 0, 0, 1,                                                          \
       "1 = low-latency kernels use NVSHMEM puts even where a direct peer pointer exists")  \
     X(LL_KERNELS, INT, 2, 1, 2,                                                             \

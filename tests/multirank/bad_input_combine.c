@@ -209,7 +209,7 @@ void bi_run_combine_cases(void)
 
 /* ---------------------------------------------------------------- buffer config */
 
-static void size_field(epx_buffer_config_t *c) { c->size = sizeof *c - 4; } /* sizeof - 8 is the accepted pre-low-latency size */
+static void size_field(epx_buffer_config_t *c) { c->size = sizeof *c + 4; } /* smaller sizes may be earlier versions, accepted */
 static void zero_tokens(epx_buffer_config_t *c) { c->max_tokens_per_rank = 0; }
 static void negative_tokens(epx_buffer_config_t *c) { c->max_tokens_per_rank = -5; }
 static void zero_hidden(epx_buffer_config_t *c) { c->hidden = 0; }

@@ -3,6 +3,7 @@
  * bad input sees its own error; every other rank gets EPX_ERR_REMOTE naming it, not a
  * hang; the buffer then keeps returning that first error; the group stays usable.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -127,6 +128,28 @@ static void run_bad_configs(void)
                   epx_status_name(got), epx_last_error());
     bi_expect("buffer_create: rank 1's low_latency_dtype differs", got, got, peer);
     CHECK(buffer == NULL);
+
+    /* Combine's exchange for inputs mapped on demand runs only if every rank runs it. */
+    config.max_low_latency_tokens = 0;
+    config.low_latency_dtype = EPX_DTYPE_BF16;
+    config.auto_register = bi_info.rank == 1 ? 1 : -1;
+    got = epx_buffer_create(bi_group, &config, &buffer);
+    if (got != EPX_ERR_INVALID_ARG && got != EPX_ERR_REMOTE)
+        TEST_FAIL("buffer_create with rank 1's auto_register different returned %s (last "
+                  "error: %s)",
+                  epx_status_name(got), epx_last_error());
+    bi_expect("buffer_create: rank 1's auto_register differs", got, got,
+              bi_info.rank == 1 ? "auto_register off" : "auto_register on");
+    CHECK(buffer == NULL);
+    config.auto_register = 2;
+    bi_expect("buffer_create: auto_register 2", epx_buffer_create(bi_group, &config, &buffer),
+              EPX_ERR_INVALID_ARG, "config.auto_register is 2");
+    CHECK(buffer == NULL);
+    /* A config from before the field was appended ignores whatever lies there. */
+    config.size = offsetof(epx_buffer_config_t, auto_register);
+    size_t bytes = 0;
+    CHECK_OK(epx_buffer_size(bi_group, &config, &bytes));
+    CHECK(bytes > 0);
 }
 
 /* epx_buffer_abort on one rank (any world size): refusals first, then the abort. */

@@ -63,6 +63,9 @@ static const char bench_usage[] =
     "  --register-mb N   normal: allocate combine_registered's tensor at least N MiB\n"
     "                    (x at its start; 0: just its rows), rounded up to 2 MiB as\n"
     "                    PyTorch's caching allocator does\n"
+    "  --auto-register   normal: combine_copy's x mapped for the peers on demand\n"
+    "                    (config.auto_register 1) instead of copied in; without it the\n"
+    "                    bench's buffer copies (EPX_AUTO_REGISTER is not read)\n"
     "  --register-exact  normal: allocate it exactly its rows (and one more) instead, as a\n"
     "                    C caller's cudaMalloc might: peers read such an allocation slower\n"
     "                    (docs/PERFORMANCE.md)\n"
@@ -195,6 +198,10 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         }
         if (strcmp(arg, "--json") == 0) {
             o->json = 1;
+            continue;
+        }
+        if (strcmp(arg, "--auto-register") == 0) {
+            o->auto_register = 1;
             continue;
         }
         if (strcmp(arg, "--register-exact") == 0) {
@@ -494,6 +501,7 @@ static int run(const epx__bench_options_t *o)
     context.experts = o->experts;
     context.topk = o->topk;
     context.alignment = o->alignment;
+    context.auto_register = o->auto_register;
     context.seed = o->seed;
     /* SMs are the GPU kernels' budget: the CPU backend has none to state. */
     context.sms = !cuda ? 0 : o->sms > 0 ? o->sms : (int)epx__tool_param_int("EPX_NUM_SMS");

@@ -55,6 +55,7 @@ typedef struct {
                                  MiB (x at its start); 0 = the rows and one more; rounded up
                                  to 2 MiB unless register_exact */
     int register_exact;       /* normal: that allocation exactly the rows and one more */
+    int auto_register;        /* normal: the buffer's config.auto_register 1 (else -1) */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */

@@ -174,6 +174,7 @@ static void setup(bench_case_t *bc)
     config.num_topk = c->num_topk;
     config.dispatch_dtype = c->dtype;
     config.num_sms = bc->options->sms;
+    config.auto_register = bc->options->auto_register ? 1 : -1;
     epx__bench_must(bc->rank, epx_buffer_create(bc->group, &config, &bc->buffer),
                     "epx_buffer_create");
 
@@ -215,7 +216,17 @@ static void make_combine_input(bench_case_t *bc, const moe_expected_t *expected,
         int64_t src_token = use_oracle ? expected->recv_src_token[i] : i;
         moe_combine_row(&bc->moe, bc->rank, src_rank, src_token, rows + i * bc->moe.hidden);
     }
-    bc->combine_x = alloc_copy(bc, rows, (size_t)bc->num_recv * row_bytes);
+    /* Mapped on demand, its allocation is what the peers map: sized as PyTorch's caching
+     * allocator would (2 MiB steps), which peers read faster (moe_registered_size). */
+    size_t x_bytes = (size_t)bc->num_recv * row_bytes;
+    if (bc->options->auto_register)
+        x_bytes = moe_registered_size(x_bytes + row_bytes);
+    bc->combine_x = alloc_copy(bc, NULL, x_bytes);
+    if (bc->num_recv > 0)
+        epx__bench_must(bc->rank,
+                        epx__bench_copy_in(bc->device, bc->combine_x, rows,
+                                           (size_t)bc->num_recv * row_bytes),
+                        "bench copy");
     /* One spare row: a rank that receives nothing still registers a range (never empty);
      * --register-mb: a larger allocation. Rounded up to 2 MiB (moe_registered_size)
      * unless --register-exact, which shows what other sizes cost. */

@@ -176,6 +176,9 @@ void epx__bench_print_header(FILE *out, const epx__bench_context_t *context)
             (unsigned long long)context->seed);
     epx__bench_print_sms(out, context);
     fprintf(out, ", warmup %d iters %d\n", context->warmup, context->iters);
+    if (context->auto_register)
+        fprintf(out, "# --auto-register: combine_copy's x is mapped for the peers on demand "
+                     "(config.auto_register 1) and read in place, not copied in\n");
     epx__bench_print_floor_header(
         out, context,
         "dispatch: each source token once (x, scales, top-k ids and weights) + each received "

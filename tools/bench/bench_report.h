@@ -43,6 +43,7 @@ typedef struct {
     int sms; /* SMs per rank of the GPU kernels; 0 on the CPU backend (not printed) */
     int warmup;
     int iters;
+    int auto_register; /* normal: combine_copy's x mapped on demand (--auto-register) */
     double floor_bw_gbps;     /* 0 = unknown (floor columns print "-") */
     const char *floor_source; /* how floor_bw_gbps was obtained */
 } epx__bench_context_t;

@@ -283,6 +283,7 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
     if (cuda == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
     cuda->num_sms = buffer->config.num_sms;
+    cuda->autoreg.on = buffer->config.auto_register > 0;
     cuda->kernels = (int)epx__param_int(EPX_PARAM_NORMAL_KERNELS);
     /* Every rank runs the same checks on the same config and group (the group's ranks
      * agreed on ranks_per_node), so all fail alike here and all take the same path. */

@@ -13,6 +13,8 @@
  *     16-byte aligned x inside the data regions works.
  *   - x inside a range registered with epx_buffer_register: the same, the offset
  *     counted from the range's start, which every peer mapped (registered.c).
+ *   - with config.auto_register on, x inside an allocation mapped on demand: the same
+ *     (auto_register.c, which maps x's allocation the first time it is seen).
  *   - x anywhere else: one local copy into the receive region first (its dispatch
  *     views are no longer valid: this is a new operation), then the pull. The vector
  *     kernels copy with the SM copy kernel (copy.cu); the bulk-copy kernels
@@ -110,23 +112,29 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     epx__cuda_buffer_t *cuda = buffer->impl;
     const epx__cuda_shape_t *s = &cuda->shape;
     cudaStream_t st = (cudaStream_t)stream;
-    EPX_CHECK(epx__cuda_poll(buffer));
     const struct epx_handle *handle = args->handle;
     const epx__cuda_handle_state_t *state = handle->backend_state;
-    if (state == NULL)
-        return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
-
     int64_t rows = args->x.shape[0];
     if (rows > s->max_recv)
         rows = s->max_recv; /* rows past any rank's receive count are never read */
     int inside = 0;
     int64_t x_offset = s->off_x, x_stride = s->hidden * 2;
     int32_t x_region = 0;
-    EPX_CHECK(locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride));
-    if (!inside) {
+    epx_status_t status = epx__cuda_poll(buffer);
+    if (status == EPX_SUCCESS && state == NULL)
+        status = EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
+    if (status == EPX_SUCCESS)
+        status = locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride);
+    if (status == EPX_SUCCESS && !inside) {
         locate_registered(buffer, &args->x, rows, &x_region, &x_offset, &x_stride);
         inside = x_region != 0;
     }
+    /* Mapped on demand (auto_register.c): collective, so every rank takes part. */
+    if (cuda->autoreg.on)
+        status = epx__cuda_auto_locate(buffer, status, &args->x, rows, st, inside, &x_region,
+                                       &x_offset, &x_stride);
+    EPX_CHECK(status);
+    inside = inside || x_region != 0;
     if (!inside && cuda->kernels == EPX_CUDA_KERNELS_BULK && handle->num_recv_tokens >= 0) {
         int64_t received = rows < handle->num_recv_tokens ? rows : handle->num_recv_tokens;
         size_t row_bytes = (size_t)s->hidden * 2;

@@ -59,6 +59,27 @@ typedef struct {
 
 typedef struct epx__cuda_xn epx__cuda_xn_t;
 
+/*
+ * Combine inputs mapped on demand (config.auto_register, auto_register.c). Slot i is
+ * row EPX_CUDA_MAX_REGISTERED + i of the device range table; every rank may hold one
+ * allocation of its own there (or none). `occupied` and `last_use` are the same on
+ * every rank: they change only from what every rank learns in each combine's exchange.
+ */
+typedef struct {
+    epx__cuda_ipc_allocation_t mine; /* this rank's allocation here (bytes 0: none) */
+    epx__cuda_ipc_range_t *range;    /* every rank's, as mapped here */
+    int occupied;                    /* some rank has an allocation here */
+    uint64_t last_use;               /* the last combine (calls) that read from here */
+} epx__cuda_auto_slot_t;
+
+typedef struct {
+    int on;                   /* config.auto_register resolved; 0 after a failed mapping */
+    uint64_t calls;           /* combines so far */
+    uintptr_t refused_base;   /* the last allocation found without an IPC handle */
+    unsigned long long refused_id;
+    epx__cuda_auto_slot_t slots[EPX_CUDA_AUTO_SLOTS];
+} epx__cuda_auto_t;
+
 typedef struct {
     /* Normal mode: over CUDA IPC on one node (ipc), over NVSHMEM across nodes (xn). */
     epx__cuda_ipc_t *ipc;
@@ -86,6 +107,7 @@ typedef struct {
     /* epx_buffer_register's ranges as mapped here, by slot (registered.c) */
     epx__cuda_ipc_range_t *registered[EPX_CUDA_MAX_REGISTERED];
     epx__cuda_ipc_cache_t ipc_cache;
+    epx__cuda_auto_t autoreg; /* combine inputs mapped on demand (auto_register.c) */
 } epx__cuda_buffer_t;
 
 /* Collective: every rank's status, the bootstrap's vote (its answer; EPX_ERR_REMOTE "<op>:
@@ -116,6 +138,28 @@ void epx__cuda_gpu_share(const epx__cuda_gpu_vote_t *votes, int world_size, int 
 epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot);
 epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot);
 void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda);
+/* Write this rank's device table row `row` (EPX_CUDA_RANGE_ROWS) from `peers` ([R], or
+ * NULL: all NULL). Synchronous; no kernel may be reading the row. */
+epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers);
+
+/*
+ * Collective, inside every rank's combine when config.auto_register is on (every rank
+ * calls it, whatever its x; a rank that failed already passes `local` and every rank
+ * returns an error): where the peers read this rank's x. `placed` nonzero: x is
+ * in the buffer or a registered range already (nothing to do for it). Otherwise, x's
+ * allocation is looked up among the slots and, when new, mapped by every peer (every
+ * rank's new allocation in one slot, the least recently read slot evicted); on a hit
+ * *region (1 + table row), *offset and *stride say where. A failed mapping turns the
+ * feature off on every rank (one warning) and x is copied in; errors returned are the
+ * exchange's (a peer gone).
+ */
+epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, const epx_tensor_t *x,
+                                   int64_t rows, cudaStream_t stream, int placed,
+                                   int32_t *region, int64_t *offset, int64_t *stride);
+/* Collective, in epx_buffer_register when auto_register is on: evict the slots holding
+ * allocations their rank has freed (CUDA would refuse to open a new range over them). */
+epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local);
+void epx__cuda_auto_release(epx__cuda_buffer_t *cuda);
 
 /* Visible CUDA devices, 0 without a driver or device (the table's device_count). */
 int epx__cuda_device_count(void);

@@ -37,8 +37,11 @@ extern "C" {
 
 /* Ranks one IPC domain may hold (a token's destinations are a 64-bit mask). */
 #define EPX_CUDA_MAX_RANKS 64
-/* Ranges combine may read in place besides the buffer (EPX_MAX_REGISTERED). */
+/* Ranges combine may read in place besides the buffer: epx_buffer_register's
+ * (EPX_MAX_REGISTERED), then the allocations mapped on demand (auto_register.c). */
 #define EPX_CUDA_MAX_REGISTERED 8
+#define EPX_CUDA_AUTO_SLOTS 8
+#define EPX_CUDA_RANGE_ROWS (EPX_CUDA_MAX_REGISTERED + EPX_CUDA_AUTO_SLOTS)
 /* Threads per block of the data kernels: 16 warps (the vector kernels: one token per
  * warp at a time; the staged dispatch: the store warps, its loader warps on top). */
 #define EPX_CUDA_THREADS 512
@@ -152,9 +155,10 @@ typedef struct {
     /* Internode mode: the xn_records / xn_partials totals already consumed, per node. */
     uint64_t xn_records_seen[EPX_CUDA_MAX_RANKS];
     uint64_t xn_partials_seen[EPX_CUDA_MAX_RANKS];
-    /* epx_buffer_register's ranges: registered[i][r] is rank r's range i as mapped here
-     * (NULL: none, or not reached by CUDA IPC). */
-    char *registered[EPX_CUDA_MAX_REGISTERED][EPX_CUDA_MAX_RANKS];
+    /* Ranges read in place: registered[i][r] is rank r's range i as mapped here (NULL:
+     * none, or not reached by CUDA IPC); rows 0.. are epx_buffer_register's slots, rows
+     * EPX_CUDA_MAX_REGISTERED.. the allocations mapped on demand. */
+    char *registered[EPX_CUDA_RANGE_ROWS][EPX_CUDA_MAX_RANKS];
     /* A fresh count scan over several blocks (layout.cu); the counters and sums are reset
      * by the scan's last block. */
     uint32_t scan_ticket;                       /* tiles handed out, in block start order */

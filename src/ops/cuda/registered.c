@@ -14,17 +14,17 @@
 _Static_assert(EPX_CUDA_MAX_REGISTERED == EPX_MAX_REGISTERED,
                "the device table holds every registered range");
 
-/* This rank's device table row of `slot`: the mapped ranges, or NULLs. The device is
- * idle (callers synchronise first), so no kernel reads the row while it changes. */
-static epx_status_t write_row(epx__cuda_buffer_t *cuda, int slot, char *const *peers)
+/* This rank's device table row `row`: the mapped ranges, or NULLs. Callers make sure
+ * no kernel reads the row while it changes (the device idle, or the row unused). */
+epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers)
 {
-    char *row[EPX_CUDA_MAX_RANKS];
-    memset(row, 0, sizeof(row));
+    char *table[EPX_CUDA_MAX_RANKS];
+    memset(table, 0, sizeof(table));
     for (int r = 0; peers != NULL && r < cuda->shape.world_size; r++)
-        row[r] = peers[r];
-    EPX_CUDA_CHECK(cudaMemcpy(cuda->local->registered[slot], row, sizeof(row),
+        table[r] = peers[r];
+    EPX_CUDA_CHECK(cudaMemcpy(cuda->local->registered[row], table, sizeof(table),
                               cudaMemcpyHostToDevice),
-                   "buffer_register: writing the device table");
+                   "writing the device table of ranges read in place");
     return EPX_SUCCESS;
 }
 
@@ -42,6 +42,7 @@ epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot)
     cudaError_t err = cudaSetDevice(group->device);
     if (status == EPX_SUCCESS && err != cudaSuccess)
         status = EPX_CUDA_ERROR(err, "buffer_register: cudaSetDevice(%d)", group->device);
+    status = epx__cuda_auto_purge(buffer, status);
     epx__transport_ranks_t ranks = epx__group_ranks(group);
     epx__cuda_ipc_range_t *range = NULL;
     status = epx__cuda_ipc_range_map(&ranks, &cuda->ipc_cache, buffer->registered[slot].ptr,
@@ -51,13 +52,13 @@ epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot)
         err = cudaDeviceSynchronize();
         status = err != cudaSuccess
                      ? EPX_CUDA_ERROR(err, "buffer_register: waiting for queued work")
-                     : write_row(cuda, slot, range->peers);
+                     : epx__cuda_write_range_row(cuda, slot, range->peers);
         /* Every rank's table is written before any rank's combine may name the range. */
         status = epx__cuda_vote(group, status, "buffer_register", "could not record the ranges");
     }
     if (status != EPX_SUCCESS) {
         if (range != NULL)
-            (void)write_row(cuda, slot, NULL);
+            (void)epx__cuda_write_range_row(cuda, slot, NULL);
         epx__cuda_ipc_range_unmap(&cuda->ipc_cache, range);
         return status;
     }
@@ -75,7 +76,7 @@ epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot)
     cudaError_t err = cudaDeviceSynchronize();
     epx_status_t status =
         err != cudaSuccess ? EPX_CUDA_ERROR(err, "buffer_deregister: waiting for queued work")
-                           : write_row(cuda, slot, NULL);
+                           : epx__cuda_write_range_row(cuda, slot, NULL);
     status = epx__cuda_vote(group, status, "buffer_deregister", "failed");
     epx__cuda_ipc_range_unmap(&cuda->ipc_cache, cuda->registered[slot]);
     cuda->registered[slot] = NULL;
@@ -84,6 +85,7 @@ epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot)
 
 void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda)
 {
+    epx__cuda_auto_release(cuda);
     for (int i = 0; i < EPX_CUDA_MAX_REGISTERED; i++) {
         epx__cuda_ipc_range_unmap(&cuda->ipc_cache, cuda->registered[i]);
         cuda->registered[i] = NULL;

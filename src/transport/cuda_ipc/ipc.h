@@ -12,6 +12,7 @@
 #define EPX_TRANSPORT_CUDA_IPC_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "core/core.h"
 #include "transport/transport.h"
@@ -57,12 +58,26 @@ typedef struct {
 
 /*
  * Collective over `ranks` (ranks->device current): `reach[r]` nonzero maps rank r's
- * range (ignored for this rank). A rank that already failed passes `local_status`.
+ * range (ignored for this rank). A rank with nothing to offer passes `bytes` 0 (its
+ * entry stays NULL everywhere). A rank that already failed passes `local_status`.
  * Every rank returns the same kind of answer; nothing stays opened on failure.
  */
 epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__cuda_ipc_cache_t *cache,
                                      void *ptr, size_t bytes, const int *reach,
                                      epx_status_t local_status, epx__cuda_ipc_range_t **range);
+/* The device allocation holding `ptr`: its start, size and the driver's id for it
+ * (CU_POINTER_ATTRIBUTE_BUFFER_ID, never reused: tells a new allocation at an old
+ * address apart). Local; an error for memory that is not a device allocation. */
+typedef struct {
+    uintptr_t base;
+    size_t bytes;
+    unsigned long long id;
+} epx__cuda_ipc_allocation_t;
+epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation);
+/* Whether the allocation starting at `base` has a CUDA IPC handle (cudaMalloc memory
+ * does; cudaMallocAsync and VMM memory do not). Local. */
+int epx__cuda_ipc_exportable(uintptr_t base);
+
 /* Local: release the range's mappings (an allocation is closed with its last range).
  * Callers make sure no kernel of this rank still reads them. NULL is a no-op. */
 void epx__cuda_ipc_range_unmap(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_range_t *range);

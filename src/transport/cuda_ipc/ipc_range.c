@@ -14,6 +14,7 @@
 struct epx__cuda_ipc_opened {
     int rank;
     cudaIpcMemHandle_t handle;
+    unsigned long long id; /* the exporter's allocation id */
     char *base;
     int refs;
     epx__cuda_ipc_opened_t *next;
@@ -24,13 +25,68 @@ typedef struct {
     int32_t device;
     uint64_t offset; /* of the range in its allocation */
     uint64_t bytes;
+    unsigned long long id; /* the allocation's (epx__cuda_ipc_allocation) */
     cudaIpcMemHandle_t handle;
 } range_vote_t;
 
-/* cuMemGetAddressRange through the runtime's driver entry point (the library does not
- * link the driver library itself, so that it loads on machines without one). */
+/* cuMemGetAddressRange and cuPointerGetAttribute through the runtime's driver entry
+ * point (the library does not link the driver library itself, so that it loads on
+ * machines without one). */
 typedef int (*get_address_range_fn)(unsigned long long *base, size_t *size,
                                     unsigned long long ptr);
+typedef int (*get_pointer_attribute_fn)(void *data, int attribute, unsigned long long ptr);
+
+/* CU_POINTER_ATTRIBUTE_BUFFER_ID (cuda.h): an id no other allocation of the process
+ * gets, not even a later one at the same address. */
+#define EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID 7
+
+static void *driver_function(const char *name)
+{
+    void *fn = NULL;
+    enum cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+        (void)cudaGetLastError();
+        return NULL;
+    }
+    return fn;
+}
+
+epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation)
+{
+    memset(allocation, 0, sizeof(*allocation));
+    static get_address_range_fn get_range;
+    static get_pointer_attribute_fn get_attribute;
+    if (get_range == NULL)
+        get_range = (get_address_range_fn)driver_function("cuMemGetAddressRange");
+    if (get_attribute == NULL)
+        get_attribute = (get_pointer_attribute_fn)driver_function("cuPointerGetAttribute");
+    if (get_range == NULL || get_attribute == NULL)
+        return EPX_ERROR(EPX_ERR_CUDA, "the driver has no cuMemGetAddressRange / "
+                                       "cuPointerGetAttribute");
+    unsigned long long base = 0, id = 0;
+    size_t size = 0;
+    int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
+    if (rc == 0)
+        rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                           (unsigned long long)(uintptr_t)ptr);
+    if (rc != 0)
+        return EPX_ERROR(EPX_ERR_CUDA, "%p is not in a device allocation (driver error %d)",
+                         ptr, rc);
+    allocation->base = (uintptr_t)base;
+    allocation->bytes = size;
+    allocation->id = id;
+    return EPX_SUCCESS;
+}
+
+int epx__cuda_ipc_exportable(uintptr_t base)
+{
+    cudaIpcMemHandle_t handle;
+    int ok = cudaIpcGetMemHandle(&handle, (void *)base) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok;
+}
 
 /* The allocation holding [ptr, ptr + bytes) and the range's offset in it, with its handle. */
 static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
@@ -42,16 +98,13 @@ static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "buffer_register: %p is not device memory (CUDA memory type %d)", ptr,
                          (int)attr.type);
-    void *fn = NULL;
-    enum cudaDriverEntryPointQueryResult found;
-    EPX_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
-                                                    cudaEnableDefault, &found),
-                   "buffer_register: looking up cuMemGetAddressRange");
-    if (fn == NULL || found != cudaDriverEntryPointSuccess)
+    get_address_range_fn get_range =
+        (get_address_range_fn)driver_function("cuMemGetAddressRange");
+    if (get_range == NULL)
         return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: the driver has no cuMemGetAddressRange");
     unsigned long long base = 0;
     size_t size = 0;
-    int rc = ((get_address_range_fn)fn)(&base, &size, (unsigned long long)(uintptr_t)ptr);
+    int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
     if (rc != 0)
         return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: cuMemGetAddressRange(%p) failed (%d)",
                          ptr, rc);
@@ -76,8 +129,11 @@ static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
                  "2 MiB: peers read such memory up to 1.7x slower; allocate in multiples of "
                  "2 MiB (PyTorch's caching allocator does)",
                  ptr, size);
+    epx__cuda_ipc_allocation_t allocation;
+    EPX_CHECK(epx__cuda_ipc_allocation(ptr, &allocation));
     vote->offset = offset;
     vote->bytes = bytes;
+    vote->id = allocation.id;
     return EPX_SUCCESS;
 }
 
@@ -86,7 +142,8 @@ static epx_status_t open_allocation(epx__cuda_ipc_cache_t *cache, int r, const r
                                     epx__cuda_ipc_opened_t **out)
 {
     for (epx__cuda_ipc_opened_t *o = cache->head; o != NULL; o = o->next)
-        if (o->rank == r && memcmp(&o->handle, &vote->handle, sizeof(vote->handle)) == 0) {
+        if (o->rank == r && o->id == vote->id &&
+            memcmp(&o->handle, &vote->handle, sizeof(vote->handle)) == 0) {
             o->refs++;
             *out = o;
             return EPX_SUCCESS;
@@ -105,6 +162,7 @@ static epx_status_t open_allocation(epx__cuda_ipc_cache_t *cache, int r, const r
     }
     o->rank = r;
     o->handle = vote->handle;
+    o->id = vote->id;
     o->base = base;
     o->refs = 1;
     o->next = cache->head;
@@ -131,7 +189,7 @@ static epx_status_t open_ranges(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_rang
                                 const int *reach, const range_vote_t *votes)
 {
     for (int r = 0; r < range->world_size; r++) {
-        if (r == me || !reach[r])
+        if (r == me || !reach[r] || votes[r].bytes == 0)
             continue;
         EPX_CHECK(open_allocation(cache, r, &votes[r], &range->opened[r]));
         range->peers[r] = range->opened[r]->base + votes[r].offset;
@@ -163,12 +221,12 @@ epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__c
     memset(&mine, 0, sizeof(mine));
     mine.device = ranks->device;
     epx_status_t status = local_status;
-    if (status == EPX_SUCCESS)
+    if (status == EPX_SUCCESS && bytes > 0)
         status = describe_range(ptr, bytes, &mine);
     status = epx__bootstrap_vote(ranks->bootstrap, R, status, &mine, votes, sizeof(mine),
                                  "buffer_register", "could not export its range");
     if (status == EPX_SUCCESS) {
-        range->peers[ranks->rank] = ptr;
+        range->peers[ranks->rank] = bytes > 0 ? ptr : NULL;
         range_vote_t opened;
         memset(&opened, 0, sizeof(opened));
         opened.device = ranks->device;
