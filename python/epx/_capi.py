@@ -141,6 +141,7 @@ class BufferConfig(Structure):
         ("num_sms", c_int),
         ("max_low_latency_tokens", c_int64),
         ("low_latency_dtype", c_int),
+        ("auto_register", c_int),
     ]
 
 

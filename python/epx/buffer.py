@@ -175,6 +175,11 @@ class Buffer(LowLatencyMixin):
         num_sms: SMs per rank for the GPU kernels (default Buffer.num_sms; 0 = EPX_NUM_SMS).
         backend: "auto", "host" or "cuda", when the group is made here.
         copy_outputs: default for the `copy` argument of dispatch (see there).
+        auto_register: True maps a combine input outside the buffer for the peers the
+            first time its allocation is seen and reads it in place from then on (no
+            register() call needed; one small host exchange per combine); False copies
+            it into the buffer; None (default) follows EPX_AUTO_REGISTER
+            (config.auto_register; docs/DESIGN.md section 7).
 
     A process that replaces a lost rank makes its buffer with Buffer.create_rejoin
     (same arguments), while the survivors call rejoin() (docs/STABILITY.md "Rejoin").
@@ -188,7 +193,7 @@ class Buffer(LowLatencyMixin):
                  hidden=None, num_experts=None, num_topk=None, dispatch_dtype="bf16",
                  num_sms=None, backend="auto", copy_outputs=False,
                  num_max_dispatch_tokens_per_rank=None, low_latency_dtype="bf16",
-                 _rejoin=False):
+                 auto_register=None, _rejoin=False):
         self._ptr = None
         self._handles = weakref.WeakSet()
         if low_latency_mode:
@@ -235,6 +240,7 @@ class Buffer(LowLatencyMixin):
         config.num_sms = int(Buffer.num_sms if num_sms is None else num_sms)
         config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
         config.low_latency_dtype = ll_dtype
+        config.auto_register = 0 if auto_register is None else (1 if auto_register else -1)
         self._config = config
         self.low_latency_mode = bool(low_latency_mode)
         self.low_latency_dtype = "fp8" if ll_dtype == _capi.DTYPE_FP8_E4M3 else "bf16"

@@ -159,6 +159,23 @@ def test_combine_from_registered_tensor(group, tensors, make_buffer):
         buffer.deregister(tensor)
 
 
+def test_combine_auto_register(group, tensors, make_buffer):
+    """auto_register=True: combine from tensors of its own, mapped on demand (the CUDA
+    backend; the host backend copies): the same results, a fresh tensor each call."""
+    case = Case(group.world_size, seed=64)
+    buffer = make_buffer(case, auto_register=True)
+    x, _, idx, w = case.inputs(group.rank)
+    _, _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),
+                                            topk_weights=tensors.put(w))
+    want = case.dispatch(group.rank)
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    want_x, _ = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    kept = tensors.put(rows)
+    for fresh in (True, False, True, False):
+        combined, _, _ = buffer.combine(tensors.put(rows) if fresh else kept, handle)
+        assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+
+
 def _address(tensor):
     """The address a tensor's data starts at, as the C library sees it."""
     return epx._tensor.resolve(tensor, "tensor").data
