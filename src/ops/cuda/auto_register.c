@@ -248,6 +248,16 @@ epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, cons
     return EPX_SUCCESS;
 }
 
+void epx__cuda_auto_failed(epx_buffer_t buffer, epx_status_t status)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    if (cuda == NULL || !cuda->autoreg.on || status == EPX_SUCCESS)
+        return;
+    int32_t region = 0;
+    int64_t offset = 0, stride = 0;
+    (void)epx__cuda_auto_locate(buffer, status, NULL, 0, NULL, 1, &region, &offset, &stride);
+}
+
 epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;

@@ -488,6 +488,7 @@ const epx__backend_ops_t epx__cuda_backend = {
     .layout = cuda_layout,
     .dispatch = epx__cuda_dispatch,
     .combine = epx__cuda_combine,
+    .combine_failed = epx__cuda_auto_failed,
     .combine_input = cuda_combine_input,
     .register_range = epx__cuda_register_range,
     .unregister_range = epx__cuda_unregister_range,

@@ -156,6 +156,9 @@ epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *
 epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, const epx_tensor_t *x,
                                    int64_t rows, cudaStream_t stream, int placed,
                                    int32_t *region, int64_t *offset, int64_t *stride);
+/* Collective: a combine that failed on this rank before the backend's combine takes
+ * its part in the exchange above with that failure (nothing when auto_register is off). */
+void epx__cuda_auto_failed(epx_buffer_t buffer, epx_status_t status);
 /* Collective, in epx_buffer_register when auto_register is on: evict the slots holding
  * allocations their rank has freed (CUDA would refuse to open a new range over them). */
 epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local);
