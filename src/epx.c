@@ -377,23 +377,15 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
 {
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "combine", "buffer"));
-    epx_status_t status = epx__buffer_check_usable(buffer, "combine");
-    if (status == EPX_SUCCESS)
-        status = check_normal_mode(buffer, "combine");
-    if (status != EPX_SUCCESS) {
-        if (buffer->ops->combine_failed != NULL)
-            buffer->ops->combine_failed(buffer, status);
-        return status;
-    }
+    EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
+    EPX_CHECK(check_normal_mode(buffer, "combine"));
     /* Args from before the bias fields were appended: read as the full struct. */
     epx_combine_args_t full;
     if (args != NULL && args->size == offsetof(epx_combine_args_t, bias)) {
         epx__combine_args_read(args, &full);
         args = &full;
     }
-    status = epx__validate_combine(buffer, args);
-    if (status != EPX_SUCCESS && buffer->ops->combine_failed != NULL)
-        buffer->ops->combine_failed(buffer, status);
+    epx_status_t status = epx__validate_combine(buffer, args);
     if (status == EPX_ERR_INVALID_ARG)
         return refuse_call(buffer, status); /* the form of the call (see the file comment) */
     if (status == EPX_SUCCESS)

@@ -166,14 +166,6 @@ struct epx__backend_ops {
     epx_status_t (*combine)(epx_buffer_t buffer, const epx_combine_args_t *args,
                             void *stream);
     /*
-     * Optional, collective: a combine that failed on this rank before reaching `combine`
-     * (a buffer that failed earlier, refused arguments) still takes the part in the
-     * host exchange that the backend's combine makes with its peers, with its failure,
-     * so that no peer waits for it and the exchanges stay in step (the CUDA backend with
-     * config.auto_register on).
-     */
-    void (*combine_failed)(epx_buffer_t buffer, epx_status_t status);
-    /*
      * The combine-input region of this rank (see epx_get_combine_input): its base, with
      * room for `*rows` bf16 rows of `hidden` (max_tokens_per_rank * world_size). Combine
      * must read an x that starts at this base in place.

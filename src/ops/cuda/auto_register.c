@@ -1,26 +1,30 @@
 /*
- * Combine inputs mapped on demand (config.auto_register; docs/DESIGN.md, "Combine inputs
- * mapped on demand"). A combine whose x lies outside the buffer and outside the ranges
- * of epx_buffer_register would copy x into the buffer first: a second pass over every
- * received row. With auto_register on, the allocation holding x is mapped by every peer
- * the first time it is seen (as epx_buffer_register would, over CUDA IPC) and read in
- * place from then on. An engine's expert outputs come from a caching allocator that
- * hands back the same allocations step after step, so after the first steps every
- * combine hits.
+ * Combine inputs mapped on demand (config.auto_register; docs/DESIGN.md section 7). A
+ * combine whose x lies outside the buffer and outside the ranges of epx_buffer_register
+ * would copy x into the buffer first: a second pass over every received row. With
+ * auto_register on, the allocation holding x is mapped by every peer the first time it
+ * is seen (as epx_buffer_register would, over CUDA IPC) and read in place from then on.
+ * An engine's expert outputs come from a caching allocator that hands back the same
+ * allocations step after step, so after the first steps every combine hits.
  *
- * Every combine, every rank: one exchange of a few bytes (what each rank's x needs), so
- * that all ranks take the same collective steps:
+ * Every combine, every rank: one exchange of a 16-byte record through host shared memory
+ * (transport/shm: a barrier that ends early when a peer published a failure, exited or
+ * timed out), so that all ranks take the same collective steps:
  *   - each rank looks its x's allocation up among its slots (start, size and the
  *     driver's allocation id, which a new allocation at an old address does not share);
  *   - if some rank's allocation is new, every rank maps every new allocation in one
  *     slot: a free slot, else the one read longest ago (its mappings closed after this
- *     rank's device is idle), never one read by this combine;
+ *     rank's device is idle), never one read by this combine; first, the slots holding
+ *     allocations their rank has freed are evicted (CUDA refuses to open a new
+ *     allocation over an address range a peer still holds open);
  *   - a rank whose x is mapped publishes its region and offset, as for a registered
  *     range; the others copy x in as before.
- * A rank inside stream capture neither maps nor reads a slot (a graph keeps the region it
- * was captured with, and slots are evicted); memory without a CUDA IPC handle
- * (cudaMallocAsync, VMM such as PyTorch's expandable segments) is copied in, said once.
- * A mapping that fails turns the feature off on every rank, with a warning.
+ * No mapping happens in a combine where some rank is capturing a CUDA graph (a graph
+ * keeps the region it was captured with, and slots are evicted; a capturing rank neither
+ * maps nor reads a slot). Memory without a CUDA IPC handle (cudaMallocAsync, VMM such as
+ * PyTorch's expandable segments) is copied in, said once. A mapping step that fails
+ * turns the feature off on every rank, with a warning; a peer's failure or timeout fails
+ * the combine.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -28,20 +32,33 @@
 #include "ops/cuda/cuda_backend.h"
 #include "ops/group.h"
 
+/* One rank's record of one combine, in its shared memory (two, by the call's parity: a
+ * rank writes call n + 1's while a slower peer may still read call n's, never n - 1's,
+ * which every peer read before it entered call n's barrier). */
 typedef struct {
-    int32_t status; /* the vote's */
-    int32_t want;   /* this rank's x is in an allocation no slot holds */
-    int32_t used;   /* the slot this rank's x is read from this call, or -1 */
-    uint32_t stale; /* slots holding an allocation of this rank that is gone (freed) */
-} auto_vote_t;
+    int32_t want;      /* this rank's x is in an allocation no slot holds */
+    int32_t used;      /* the slot this rank's x is read from this call, or -1 */
+    uint32_t stale;    /* slots holding an allocation of this rank that is gone (freed) */
+    int32_t capturing; /* this rank is capturing a CUDA graph */
+} auto_record_t;
 
-/*
- * Slots whose allocation of this rank is gone (freed; maybe another allocation at its
- * address now). Peers keep such an allocation open until the slot is evicted, and CUDA
- * refuses to open a new allocation of this rank over an address range they still hold
- * open ("resource already mapped"): so before anything new of this rank is mapped, the
- * slots holding its freed allocations are evicted.
- */
+/* What the ranks' records say together (the same on every rank). */
+typedef struct {
+    uint32_t stale;    /* slots to evict first */
+    uint32_t used;     /* slots read in this call (after the stale ones are gone) */
+    int wanted;        /* some rank needs a mapping */
+    int capturing;     /* some rank is capturing: nothing is mapped */
+} auto_round_t;
+
+#define AUTO_SLOT_MASK ((1u << EPX_CUDA_AUTO_SLOTS) - 1)
+
+static int slot_holds(const epx__cuda_auto_slot_t *slot, const epx__cuda_ipc_allocation_t *a)
+{
+    return slot->mine.bytes != 0 && slot->mine.base == a->base && slot->mine.bytes == a->bytes &&
+           slot->mine.id == a->id;
+}
+
+/* Slots whose allocation of this rank is gone (freed; maybe another one at its address). */
 static uint32_t stale_slots(const epx__cuda_auto_t *au)
 {
     uint32_t stale = 0;
@@ -60,50 +77,129 @@ static uint32_t stale_slots(const epx__cuda_auto_t *au)
     return stale;
 }
 
-static int slot_holds(const epx__cuda_auto_slot_t *slot, const epx__cuda_ipc_allocation_t *a)
-{
-    return slot->mine.bytes != 0 && slot->mine.base == a->base && slot->mine.bytes == a->bytes &&
-           slot->mine.id == a->id;
-}
-
-/* A free slot, else the one read longest ago but not in call `now`; -1 when every slot
+/* A free slot, else the one read longest ago and not in this call; -1 when every slot
  * is read in this call. The same answer on every rank (from shared state only). */
-static int pick_slot(const epx__cuda_auto_t *au, uint64_t now)
+static int pick_slot(const epx__cuda_auto_t *au, uint32_t used)
 {
     int victim = -1;
     for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++) {
         if (!au->slots[i].occupied)
             return i;
-        if (au->slots[i].last_use != now &&
+        if ((used & (1u << i)) == 0 &&
             (victim < 0 || au->slots[i].last_use < au->slots[victim].last_use))
             victim = i;
     }
     return victim;
 }
 
-/* Close slot `i`'s mappings. Local: this rank's queued kernels may read them, so the
- * device is drained first; the peers' allocations stay theirs. */
+/* Close slot `i`'s mappings here (local; the device drained first by the caller: this
+ * rank's queued kernels may read them). The peers' allocations stay theirs. */
 static epx_status_t evict(epx__cuda_buffer_t *cuda, int i)
 {
     epx__cuda_auto_slot_t *slot = &cuda->autoreg.slots[i];
-    EPX_CUDA_CHECK(cudaDeviceSynchronize(), "combine: waiting for queued work before "
-                                            "releasing an input mapped on demand");
-    EPX_CHECK(epx__cuda_write_range_row(cuda, EPX_CUDA_MAX_REGISTERED + i, NULL));
+    epx_status_t status = EPX_SUCCESS;
+    if (slot->occupied)
+        status = epx__cuda_write_range_row(cuda, EPX_CUDA_MAX_REGISTERED + i, NULL);
     epx__cuda_ipc_range_unmap(&cuda->ipc_cache, slot->range);
     memset(slot, 0, sizeof(*slot));
+    return status;
+}
+
+static epx_status_t drain(void)
+{
+    EPX_CUDA_CHECK(cudaDeviceSynchronize(), "combine: waiting for queued work before closing "
+                                            "inputs mapped on demand");
     return EPX_SUCCESS;
 }
 
-/* Whether this rank can offer x's allocation: what it is, or 0 (copy x in). */
-static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t rows,
-                     cudaStream_t stream, epx__cuda_ipc_allocation_t *a)
+/* Feature off on this rank (every rank does the same, from the same failed vote): every
+ * slot closed, so nothing stale is left open for epx_buffer_register to trip over. */
+static void turn_off(epx__cuda_buffer_t *cuda, const char *why)
 {
-    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (rows <= 0 || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-        capture != cudaStreamCaptureStatusNone) {
-        (void)cudaGetLastError();
-        return 0;
+    EPX_WARN(EPX_SUBSYS_OPS,
+             "combine: mapping inputs on demand failed (%s); auto_register is off for this "
+             "buffer from now on and combines copy x into the buffer",
+             why);
+    epx__clear_error();
+    cuda->autoreg.on = 0;
+    (void)cudaDeviceSynchronize();
+    (void)cudaGetLastError();
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
+        (void)evict(cuda, i);
+    epx__clear_error();
+}
+
+/* A failure every rank sees alike may turn the feature off; a peer gone (timeout, the
+ * bootstrap) fails the combine. */
+static int fatal(epx_status_t status)
+{
+    return status == EPX_ERR_TIMEOUT || status == EPX_ERR_BOOTSTRAP;
+}
+
+/*
+ * The mapping step of one combine (collective; entered by every rank alike): evict the
+ * stale slots, then, with `victim` >= 0, map every rank's new allocation there (`offer`:
+ * this rank's, bytes 0 for none). Local failures travel in the votes, so every rank
+ * returns the same kind of answer.
+ */
+static epx_status_t map_round(epx_buffer_t buffer, uint32_t stale, int victim,
+                              const epx__cuda_ipc_allocation_t *offer, cudaStream_t stream,
+                              uint64_t now)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    epx_group_t group = buffer->group;
+    epx__cuda_auto_t *au = &cuda->autoreg;
+    int evicting = stale != 0 || (victim >= 0 && au->slots[victim].occupied);
+    epx_status_t local = evicting ? drain() : EPX_SUCCESS;
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
+        if ((stale & (1u << i)) != 0 || i == victim) {
+            epx_status_t s = evict(cuda, i);
+            if (local == EPX_SUCCESS)
+                local = s;
+        }
+    if (victim < 0)
+        return epx__cuda_vote(group, local, "combine", "could not close inputs mapped on demand");
+
+    int reach[EPX_CUDA_MAX_RANKS];
+    for (int r = 0; r < group->world_size; r++)
+        reach[r] = r != group->rank && cuda->peer_bases[r] != NULL;
+    epx__transport_ranks_t ranks = epx__group_ranks(group);
+    epx__cuda_ipc_range_t *range = NULL;
+    epx_status_t status = epx__cuda_ipc_range_map(&ranks, &cuda->ipc_cache, (void *)offer->base,
+                                                  offer->bytes, reach, local, &range);
+    if (status != EPX_SUCCESS)
+        return status;
+    char *table[EPX_CUDA_MAX_RANKS];
+    memset(table, 0, sizeof(table));
+    for (int r = 0; r < group->world_size; r++)
+        table[r] = range->peers[r];
+    /* On the combine's stream: the row is written before this rank's kernel reads it
+     * (nothing queued reads this row: it was free, or drained above). The source is
+     * pageable, which the runtime stages before returning. */
+    cudaError_t err = cudaMemcpyAsync(cuda->local->registered[EPX_CUDA_MAX_REGISTERED + victim],
+                                      table, sizeof(table), cudaMemcpyHostToDevice, stream);
+    local = err == cudaSuccess
+                ? EPX_SUCCESS
+                : EPX_CUDA_ERROR(err, "combine: writing the device table of mapped inputs");
+    status = epx__cuda_vote(group, local, "combine", "could not record inputs mapped on demand");
+    if (status != EPX_SUCCESS) {
+        epx__cuda_ipc_range_unmap(&cuda->ipc_cache, range);
+        return status;
     }
+    epx__cuda_auto_slot_t *slot = &au->slots[victim];
+    slot->mine = *offer;
+    slot->range = range;
+    slot->occupied = 1;
+    slot->last_use = now;
+    return EPX_SUCCESS;
+}
+
+/* Whether this rank can offer x's allocation, and which it is (0: copy x in). */
+static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t rows,
+                     epx__cuda_ipc_allocation_t *a)
+{
+    if (rows <= 0)
+        return 0;
     uintptr_t first = (uintptr_t)x->data;
     int64_t pitch = epx__tensor_row_stride(x) * 2;
     uintptr_t end = first + (uintptr_t)((rows - 1) * pitch + cuda->shape.hidden * 2);
@@ -113,131 +209,114 @@ static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t ro
         epx__clear_error();
         return 0;
     }
-    return end <= a->base + a->bytes;
+    if (end > a->base + a->bytes)
+        return 0;
+    if (a->base == cuda->autoreg.refused_base && a->id == cuda->autoreg.refused_id)
+        return 0; /* known to have no IPC handle */
+    return 1;
 }
 
-/* Map every rank's new allocation into slot `i` (collective), evicting it first. */
-static epx_status_t map_slot(epx_buffer_t buffer, int i, const epx__cuda_ipc_allocation_t *mine,
-                             cudaStream_t stream, uint64_t now)
+/* This rank's record: whether it needs a mapping, which slot it reads. */
+static auto_record_t make_record(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t rows,
+                                 cudaStream_t stream, int placed, epx__cuda_ipc_allocation_t *a)
 {
-    epx__cuda_buffer_t *cuda = buffer->impl;
-    epx_group_t group = buffer->group;
-    epx__cuda_auto_slot_t *slot = &cuda->autoreg.slots[i];
-    epx_status_t local = slot->occupied ? evict(cuda, i) : EPX_SUCCESS;
-    int *reach = calloc((size_t)group->world_size, sizeof(int));
-    if (local == EPX_SUCCESS && reach == NULL)
-        local = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "combine: out of host memory");
-    for (int r = 0; reach != NULL && r < group->world_size; r++)
-        reach[r] = r != group->rank && cuda->peer_bases[r] != NULL;
-    epx__transport_ranks_t ranks = epx__group_ranks(group);
-    epx__cuda_ipc_range_t *range = NULL;
-    epx_status_t status =
-        epx__cuda_ipc_range_map(&ranks, &cuda->ipc_cache, (void *)mine->base, mine->bytes, reach,
-                                local, &range);
-    free(reach);
-    if (status != EPX_SUCCESS)
-        return status;
-    char *table[EPX_CUDA_MAX_RANKS];
-    memset(table, 0, sizeof(table));
-    for (int r = 0; r < cuda->shape.world_size; r++)
-        table[r] = range->peers[r];
-    /* On the combine's stream: the row is written before this rank's kernel reads it
-     * (nothing earlier reads this row: it was free or drained). */
-    cudaError_t err = cudaMemcpyAsync(cuda->local->registered[EPX_CUDA_MAX_REGISTERED + i],
-                                      table, sizeof(table), cudaMemcpyHostToDevice, stream);
-    if (err != cudaSuccess) {
-        epx__cuda_ipc_range_unmap(&cuda->ipc_cache, range);
-        return EPX_CUDA_ERROR(err, "combine: writing the device table of mapped inputs");
+    epx__cuda_auto_t *au = &cuda->autoreg;
+    auto_record_t mine = {0, -1, 0, 0};
+    enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess)
+        (void)cudaGetLastError();
+    mine.capturing = capture != cudaStreamCaptureStatusNone;
+    if (placed || mine.capturing || !candidate(cuda, x, rows, a))
+        return mine;
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
+        if (slot_holds(&au->slots[i], a))
+            mine.used = i;
+    if (mine.used >= 0)
+        return mine;
+    if (!epx__cuda_ipc_exportable(a->base)) {
+        if (au->refused_base == 0)
+            EPX_WARN(EPX_SUBSYS_OPS,
+                     "combine: x (%p) lies in an allocation without a CUDA IPC handle "
+                     "(cudaMallocAsync or VMM memory, such as PyTorch's expandable segments): "
+                     "it is copied into the buffer; allocate with cudaMalloc to have it read "
+                     "in place",
+                     x->data);
+        au->refused_base = a->base;
+        au->refused_id = a->id;
+        return mine;
     }
-    slot->mine = *mine;
-    slot->range = range;
-    slot->occupied = 1;
-    slot->last_use = now;
+    mine.want = 1;
+    mine.stale = stale_slots(au);
+    return mine;
+}
+
+/* Publish this rank's record of call `now`, wait for every rank's, add them up. */
+static epx_status_t exchange(epx__cuda_buffer_t *cuda, const auto_record_t *mine, int me,
+                             int world, uint64_t now, auto_record_t *all, auto_round_t *round)
+{
+    epx__shm_t *shm = cuda->autoreg.shm;
+    auto_record_t *records = epx__shm_peer(shm, me);
+    records[now & 1] = *mine;
+    EPX_CHECK(epx__shm_barrier(shm, "combine (exchanging inputs mapped on demand)"));
+    memset(round, 0, sizeof(*round));
+    for (int r = 0; r < world; r++) {
+        all[r] = ((const auto_record_t *)epx__shm_peer(shm, r))[now & 1];
+        round->stale |= all[r].stale & AUTO_SLOT_MASK;
+        round->capturing |= all[r].capturing;
+    }
+    for (int r = 0; r < world; r++) {
+        int used = all[r].used;
+        int in_slot = used >= 0 && used < EPX_CUDA_AUTO_SLOTS;
+        /* A rank whose x sits in a slot evicted now maps it again. */
+        if (in_slot && (round->stale & (1u << used)) == 0)
+            round->used |= 1u << used;
+        round->wanted |= all[r].want || (in_slot && (round->stale & (1u << used)) != 0);
+    }
     return EPX_SUCCESS;
 }
 
-epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, const epx_tensor_t *x,
-                                   int64_t rows, cudaStream_t stream, int placed,
-                                   int32_t *region, int64_t *offset, int64_t *stride)
+epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, const epx_tensor_t *x, int64_t rows,
+                                   cudaStream_t stream, int placed, int32_t *region,
+                                   int64_t *offset, int64_t *stride)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     epx__cuda_auto_t *au = &cuda->autoreg;
-    epx_group_t group = buffer->group;
+    int world = buffer->group->world_size;
     if (!au->on)
         return EPX_SUCCESS;
     uint64_t now = ++au->calls;
-
-    auto_vote_t mine = {0, 0, -1, 0};
     epx__cuda_ipc_allocation_t a;
     memset(&a, 0, sizeof(a));
-    if (local == EPX_SUCCESS && !placed && candidate(cuda, x, rows, stream, &a)) {
-        for (int i = 0; i < EPX_CUDA_AUTO_SLOTS && mine.used < 0; i++)
-            if (slot_holds(&au->slots[i], &a))
-                mine.used = i;
-        if (mine.used < 0 && a.base == au->refused_base && a.id == au->refused_id) {
-            /* known to have no IPC handle: copied in */
-        } else if (mine.used < 0 && !epx__cuda_ipc_exportable(a.base)) {
-            if (au->refused_base == 0)
-                EPX_WARN(EPX_SUBSYS_OPS,
-                         "combine: x (%p) lies in an allocation without a CUDA IPC handle "
-                         "(cudaMallocAsync or VMM memory, such as PyTorch's expandable "
-                         "segments): it is copied into the buffer; allocate with cudaMalloc "
-                         "to have it read in place",
-                         x->data);
-            au->refused_base = a.base;
-            au->refused_id = a.id;
-        } else if (mine.used < 0) {
-            mine.want = 1;
-        }
-    }
-    auto_vote_t *all = calloc((size_t)group->world_size, sizeof(*all));
-    if (all == NULL)
-        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "combine: out of host memory");
-    if (mine.want)
-        mine.stale = stale_slots(au);
-    epx_status_t status = epx__bootstrap_vote(group->bootstrap, group->world_size, local, &mine,
-                                              all, sizeof(mine), "combine", "failed");
-    uint32_t stale = 0;
-    for (int r = 0; status == EPX_SUCCESS && r < group->world_size; r++)
-        stale |= all[r].stale & ((1u << EPX_CUDA_AUTO_SLOTS) - 1);
-    /* A rank whose x sits in a slot evicted now maps it again (every rank sees that). */
-    int wanted = 0;
-    for (int r = 0; status == EPX_SUCCESS && r < group->world_size; r++) {
-        int used = all[r].used;
-        if (used >= 0 && used < EPX_CUDA_AUTO_SLOTS && (stale & (1u << used)) == 0)
-            au->slots[used].last_use = now;
-        wanted |= all[r].want || (used >= 0 && used < EPX_CUDA_AUTO_SLOTS &&
-                                  (stale & (1u << used)) != 0);
-    }
-    free(all);
-    EPX_CHECK(status);
-    if (mine.used >= 0 && (stale & (1u << mine.used)) != 0) {
+    auto_record_t mine = make_record(cuda, x, rows, stream, placed, &a);
+    auto_record_t all[EPX_CUDA_MAX_RANKS];
+    auto_round_t round;
+    EPX_CHECK(exchange(cuda, &mine, buffer->group->rank, world, now, all, &round));
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
+        if ((round.used & (1u << i)) != 0)
+            au->slots[i].last_use = now;
+    if (mine.used >= 0 && (round.stale & (1u << mine.used)) != 0) {
         mine.used = -1;
         mine.want = 1;
     }
-    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS && status == EPX_SUCCESS; i++)
-        if ((stale & (1u << i)) != 0 && au->slots[i].occupied)
-            status = evict(cuda, i);
-    EPX_CHECK(status);
-
-    int victim = wanted ? pick_slot(au, now) : -1;
-    if (victim >= 0) {
+    if (!round.capturing && (round.wanted || round.stale != 0)) {
+        int victim = round.wanted ? pick_slot(au, round.used | round.stale) : -1;
+        /* A stale slot is evicted first and so free: picked before any other. */
+        if (round.wanted && round.stale != 0)
+            for (int i = EPX_CUDA_AUTO_SLOTS - 1; i >= 0; i--)
+                if ((round.stale & (1u << i)) != 0)
+                    victim = i;
         epx__cuda_ipc_allocation_t offer;
         memset(&offer, 0, sizeof(offer));
-        if (mine.want)
+        if (mine.want && victim >= 0)
             offer = a;
-        status = map_slot(buffer, victim, &offer, stream, now);
+        epx_status_t status = map_round(buffer, round.stale, victim, &offer, stream, now);
         if (status != EPX_SUCCESS) {
-            /* Every rank got a failure from the same votes: all turn it off alike. */
-            au->on = 0;
-            EPX_WARN(EPX_SUBSYS_OPS,
-                     "combine: mapping inputs on demand failed (%s); auto_register is off for "
-                     "this buffer from now on and combines copy x into the buffer",
-                     epx_last_error());
-            epx__clear_error();
+            if (fatal(status))
+                return status;
+            turn_off(cuda, epx_last_error());
             return EPX_SUCCESS;
         }
-        if (mine.want)
+        if (mine.want && victim >= 0)
             mine.used = victim;
     }
     if (mine.used < 0)
@@ -248,16 +327,6 @@ epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, cons
     return EPX_SUCCESS;
 }
 
-void epx__cuda_auto_failed(epx_buffer_t buffer, epx_status_t status)
-{
-    epx__cuda_buffer_t *cuda = buffer->impl;
-    if (cuda == NULL || !cuda->autoreg.on || status == EPX_SUCCESS)
-        return;
-    int32_t region = 0;
-    int64_t offset = 0, stride = 0;
-    (void)epx__cuda_auto_locate(buffer, status, NULL, 0, NULL, 1, &region, &offset, &stride);
-}
-
 epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
@@ -265,22 +334,48 @@ epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
     epx_group_t group = buffer->group;
     if (!au->on)
         return local;
-    auto_vote_t mine = {0, 0, -1, local == EPX_SUCCESS ? stale_slots(au) : 0};
-    auto_vote_t *all = calloc((size_t)group->world_size, sizeof(*all));
-    if (all == NULL && local == EPX_SUCCESS)
-        local = EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
-    if (all == NULL)
-        return local; /* peers time out in the vote, naming this rank */
-    epx_status_t status = epx__bootstrap_vote(group->bootstrap, group->world_size, local, &mine,
-                                              all, sizeof(mine), "buffer_register", "failed");
+    auto_record_t mine = {0, -1, local == EPX_SUCCESS ? stale_slots(au) : 0, 0};
+    struct {
+        int32_t status; /* the vote's */
+        uint32_t stale;
+    } vote = {0, mine.stale}, all[EPX_CUDA_MAX_RANKS];
+    epx_status_t status = epx__bootstrap_vote(group->bootstrap, group->world_size, local, &vote,
+                                              all, sizeof(vote), "buffer_register", "failed");
+    if (status != EPX_SUCCESS)
+        return status;
     uint32_t stale = 0;
-    for (int r = 0; status == EPX_SUCCESS && r < group->world_size; r++)
-        stale |= all[r].stale & ((1u << EPX_CUDA_AUTO_SLOTS) - 1);
-    free(all);
-    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS && status == EPX_SUCCESS; i++)
-        if ((stale & (1u << i)) != 0 && au->slots[i].occupied)
-            status = evict(cuda, i);
+    for (int r = 0; r < group->world_size; r++)
+        stale |= all[r].stale & AUTO_SLOT_MASK;
+    if (stale == 0)
+        return EPX_SUCCESS;
+    status = map_round(buffer, stale, -1, NULL, NULL, 0);
+    if (status != EPX_SUCCESS && !fatal(status))
+        turn_off(cuda, epx_last_error());
     return status;
+}
+
+void epx__cuda_auto_create(epx_buffer_t buffer)
+{
+    epx__cuda_buffer_t *cuda = buffer->impl;
+    epx__transport_ranks_t ranks = epx__group_ranks(buffer->group);
+    _Static_assert(2 * sizeof(auto_record_t) <= 4096, "two records fit the shared page");
+    if (ranks.world_size > EPX_CUDA_MAX_RANKS) {
+        EPX_WARN(EPX_SUBSYS_OPS, "buffer_create: auto_register takes at most %d ranks; it is "
+                                 "off for this buffer and combines copy x into the buffer",
+                 EPX_CUDA_MAX_RANKS);
+        cuda->autoreg.on = 0;
+        return;
+    }
+    if (epx__shm_create(&ranks, 4096, &cuda->autoreg.shm) == EPX_SUCCESS)
+        return;
+    /* Every rank failed alike (the creation's votes). */
+    EPX_WARN(EPX_SUBSYS_OPS,
+             "buffer_create: auto_register needs the ranks' host shared memory (%s); it is "
+             "off for this buffer and combines copy x into the buffer",
+             epx_last_error());
+    epx__clear_error();
+    cuda->autoreg.on = 0;
+    cuda->autoreg.shm = NULL;
 }
 
 void epx__cuda_auto_release(epx__cuda_buffer_t *cuda)
@@ -289,4 +384,6 @@ void epx__cuda_auto_release(epx__cuda_buffer_t *cuda)
         epx__cuda_ipc_range_unmap(&cuda->ipc_cache, cuda->autoreg.slots[i].range);
         memset(&cuda->autoreg.slots[i], 0, sizeof(cuda->autoreg.slots[i]));
     }
+    epx__shm_destroy(cuda->autoreg.shm);
+    cuda->autoreg.shm = NULL;
 }

@@ -321,6 +321,8 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
         return status;
     }
     buffer->impl = cuda;
+    if (cuda->autoreg.on)
+        epx__cuda_auto_create(buffer);
     if (cuda->ipc != NULL)
         EPX_INFO(EPX_SUBSYS_TRANSPORT,
                  "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",
@@ -399,8 +401,10 @@ static void cuda_buffer_destroy(epx_buffer_t buffer, int all_ready)
 
 static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *message)
 {
-    (void)message;
     epx__cuda_buffer_t *cuda = buffer->impl;
+    /* Peers waiting in a combine's exchange of inputs mapped on demand stop too. */
+    if (cuda != NULL && cuda->autoreg.shm != NULL)
+        epx__shm_abort(cuda->autoreg.shm, status, message);
     /* The abort word lives in the peers' normal-mode memory, written directly where it
      * is mapped (this node). Ranks on other nodes time out on the failed rank instead. */
     if (cuda == NULL || cuda->peer_bases == NULL)
@@ -488,7 +492,6 @@ const epx__backend_ops_t epx__cuda_backend = {
     .layout = cuda_layout,
     .dispatch = epx__cuda_dispatch,
     .combine = epx__cuda_combine,
-    .combine_failed = epx__cuda_auto_failed,
     .combine_input = cuda_combine_input,
     .register_range = epx__cuda_register_range,
     .unregister_range = epx__cuda_unregister_range,

@@ -129,11 +129,12 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
         locate_registered(buffer, &args->x, rows, &x_region, &x_offset, &x_stride);
         inside = x_region != 0;
     }
-    /* Mapped on demand (auto_register.c): collective, so every rank takes part. */
-    if (cuda->autoreg.on)
-        status = epx__cuda_auto_locate(buffer, status, &args->x, rows, st, inside, &x_region,
-                                       &x_offset, &x_stride);
     EPX_CHECK(status);
+    /* Mapped on demand (auto_register.c): an exchange with every peer (a rank that failed
+     * before it has published its failure there, through the buffer's abort). */
+    if (cuda->autoreg.on)
+        EPX_CHECK(epx__cuda_auto_locate(buffer, &args->x, rows, st, inside, &x_region, &x_offset,
+                                        &x_stride));
     inside = inside || x_region != 0;
     if (!inside && cuda->kernels == EPX_CUDA_KERNELS_BULK && handle->num_recv_tokens >= 0) {
         int64_t received = rows < handle->num_recv_tokens ? rows : handle->num_recv_tokens;

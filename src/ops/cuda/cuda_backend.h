@@ -24,6 +24,7 @@
 #include "ops/cuda/launch.h"
 #include "transport/cuda_status.h"
 #include "transport/cuda_ipc/ipc.h"
+#include "transport/shm/shm.h"
 
 /* ---------------------------------------------------------------- handle memory */
 
@@ -74,6 +75,7 @@ typedef struct {
 
 typedef struct {
     int on;                   /* config.auto_register resolved; 0 after a failed mapping */
+    epx__shm_t *shm;          /* the per-combine exchange (host shared memory) */
     uint64_t calls;           /* combines so far */
     uintptr_t refused_base;   /* the last allocation found without an IPC handle */
     unsigned long long refused_id;
@@ -143,25 +145,29 @@ void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda);
 epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers);
 
 /*
- * Collective, inside every rank's combine when config.auto_register is on (every rank
- * calls it, whatever its x; a rank that failed already passes `local` and every rank
- * returns an error): where the peers read this rank's x. `placed` nonzero: x is
- * in the buffer or a registered range already (nothing to do for it). Otherwise, x's
- * allocation is looked up among the slots and, when new, mapped by every peer (every
- * rank's new allocation in one slot, the least recently read slot evicted); on a hit
- * *region (1 + table row), *offset and *stride say where. A failed mapping turns the
- * feature off on every rank (one warning) and x is copied in; errors returned are the
- * exchange's (a peer gone).
+ * Inputs mapped on demand (auto_register.c). Create: collective at the end of
+ * buffer_create when auto_register is on (every rank alike): the host shared memory of
+ * the exchange; where it cannot be made (ranks on several hosts), the feature is turned
+ * off on every rank with a warning.
  */
-epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, epx_status_t local, const epx_tensor_t *x,
-                                   int64_t rows, cudaStream_t stream, int placed,
-                                   int32_t *region, int64_t *offset, int64_t *stride);
-/* Collective: a combine that failed on this rank before the backend's combine takes
- * its part in the exchange above with that failure (nothing when auto_register is off). */
-void epx__cuda_auto_failed(epx_buffer_t buffer, epx_status_t status);
+void epx__cuda_auto_create(epx_buffer_t buffer);
+/*
+ * Collective, in every rank's combine when auto_register is on (whatever its x; a rank
+ * that failed before publishes its failure through the buffer's abort, which ends the
+ * peers' wait): where the peers read this rank's x. `placed` nonzero: x is in the buffer
+ * or a registered range already. Otherwise x's allocation is looked up among the slots
+ * and, when new, mapped by every peer (every rank's new allocation in one slot, the least
+ * recently read evicted); on a hit *region (1 + table row), *offset and *stride say
+ * where. A mapping that fails turns the feature off on every rank (one warning) and x is
+ * copied in; errors returned are a peer's failure or timeout.
+ */
+epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, const epx_tensor_t *x, int64_t rows,
+                                   cudaStream_t stream, int placed, int32_t *region,
+                                   int64_t *offset, int64_t *stride);
 /* Collective, in epx_buffer_register when auto_register is on: evict the slots holding
  * allocations their rank has freed (CUDA would refuse to open a new range over them). */
 epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local);
+/* Local: close every mapping and the shared memory (buffer teardown). */
 void epx__cuda_auto_release(epx__cuda_buffer_t *cuda);
 
 /* Visible CUDA devices, 0 without a driver or device (the table's device_count). */
