@@ -178,6 +178,72 @@ static void check_gpu_share(void)
     CHECK(ranks == 1 && first == 2 && sms == 12);
 }
 
+/* Inputs mapped on demand: what every rank's records of one combine decide. */
+static void check_auto_plan(void)
+{
+    epx__cuda_auto_t au;
+    memset(&au, 0, sizeof(au));
+    epx__cuda_auto_record_t all[9];
+    epx__cuda_auto_plan_t plan;
+    for (int r = 0; r < 9; r++)
+        all[r] = (epx__cuda_auto_record_t){0, -1, 0, 0};
+    /* Nobody needs anything: no mapping step. */
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(!plan.map && !plan.wanted && plan.used == 0 && plan.victim == -1);
+    /* Rank 2 needs a mapping, every slot free: the first. */
+    all[2].want = 1;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.map && plan.wanted && plan.victim == 0);
+    /* ... while rank 5 is capturing a graph: nothing is mapped. */
+    all[5].capturing = 1;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(!plan.map && plan.capturing && plan.victim == -1);
+    all[5].capturing = 0;
+    /* Every slot occupied, read at different times: the least recently read that no
+     * rank reads now (slot 3 was read at 1 but rank 0 reads it now: slot 6, read at 2). */
+    const uint64_t last[EPX_CUDA_AUTO_SLOTS] = {9, 7, 8, 1, 5, 4, 2, 6};
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++) {
+        au.slots[i].occupied = 1;
+        au.slots[i].last_use = last[i];
+    }
+    all[0].used = 3;
+    all[1].used = 3;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.map && plan.victim == 6 && plan.used == (1u << 3));
+    /* Every slot but 1 and 2 read in this call: the less recently read of those. */
+    for (int r = 0; r < 8; r++)
+        all[r].used = r == 2 ? -1 : r;
+    all[1].used = 7;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.used == 0xf9 && plan.victim == 1);
+    all[1].used = 2;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.used == 0xfd && plan.victim == 1);
+    /* Every slot read in this call (a ninth rank reads slot 1): none to take (x copied
+     * in), still one step. */
+    all[8] = (epx__cuda_auto_record_t){0, 1, 0, 0};
+    epx__cuda_auto_plan(&au, all, 9, &plan);
+    CHECK(plan.used == 0xff && plan.map && plan.victim == -1);
+    all[8].used = -1;
+    /* Rank 2's freed allocations sit in slots 4 and 6; rank 4 reads slot 4 now: both are
+     * evicted first, rank 4 maps its x again, and the new allocations go to slot 4. */
+    all[2].stale = (1u << 4) | (1u << 6);
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.stale == 0x50 && (plan.used & 0x50) == 0 && plan.wanted && plan.victim == 4);
+    /* A stale slot alone (rank 4 reading elsewhere, nobody wanting but rank 2's record)
+     * still runs the step. */
+    all[2].want = 0;
+    all[4].used = -1;
+    all[6].used = -1;
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(plan.map && !plan.wanted && plan.stale == 0x50 && plan.victim == -1);
+    /* Out-of-range slots and stale bits are ignored. */
+    for (int r = 0; r < 8; r++)
+        all[r] = (epx__cuda_auto_record_t){0, EPX_CUDA_AUTO_SLOTS, 1u << EPX_CUDA_AUTO_SLOTS, 0};
+    epx__cuda_auto_plan(&au, all, 8, &plan);
+    CHECK(!plan.map && plan.used == 0 && plan.stale == 0);
+}
+
 int main(void)
 {
     /* Without a driver or GPU this is 0, never a failure or a crash. */
@@ -190,6 +256,7 @@ int main(void)
     check_refusals();
     check_scan();
     check_gpu_share();
+    check_auto_plan();
     printf("test_cuda_plan: ok (%d CUDA device%s visible)\n", devices, devices == 1 ? "" : "s");
     return 0;
 }

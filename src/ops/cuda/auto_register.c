@@ -32,24 +32,6 @@
 #include "ops/cuda/cuda_backend.h"
 #include "ops/group.h"
 
-/* One rank's record of one combine, in its shared memory (two, by the call's parity: a
- * rank writes call n + 1's while a slower peer may still read call n's, never n - 1's,
- * which every peer read before it entered call n's barrier). */
-typedef struct {
-    int32_t want;      /* this rank's x is in an allocation no slot holds */
-    int32_t used;      /* the slot this rank's x is read from this call, or -1 */
-    uint32_t stale;    /* slots holding an allocation of this rank that is gone (freed) */
-    int32_t capturing; /* this rank is capturing a CUDA graph */
-} auto_record_t;
-
-/* What the ranks' records say together (the same on every rank). */
-typedef struct {
-    uint32_t stale;    /* slots to evict first */
-    uint32_t used;     /* slots read in this call (after the stale ones are gone) */
-    int wanted;        /* some rank needs a mapping */
-    int capturing;     /* some rank is capturing: nothing is mapped */
-} auto_round_t;
-
 #define AUTO_SLOT_MASK ((1u << EPX_CUDA_AUTO_SLOTS) - 1)
 
 static int slot_holds(const epx__cuda_auto_slot_t *slot, const epx__cuda_ipc_allocation_t *a)
@@ -77,8 +59,7 @@ static uint32_t stale_slots(const epx__cuda_auto_t *au)
     return stale;
 }
 
-/* A free slot, else the one read longest ago and not in this call; -1 when every slot
- * is read in this call. The same answer on every rank (from shared state only). */
+/* A free slot, else the one read longest ago and not in `used`; -1 when none. */
 static int pick_slot(const epx__cuda_auto_t *au, uint32_t used)
 {
     int victim = -1;
@@ -90,6 +71,35 @@ static int pick_slot(const epx__cuda_auto_t *au, uint32_t used)
             victim = i;
     }
     return victim;
+}
+
+void epx__cuda_auto_plan(const epx__cuda_auto_t *au, const epx__cuda_auto_record_t *all,
+                         int world, epx__cuda_auto_plan_t *plan)
+{
+    memset(plan, 0, sizeof(*plan));
+    plan->victim = -1;
+    for (int r = 0; r < world; r++) {
+        plan->stale |= all[r].stale & AUTO_SLOT_MASK;
+        plan->capturing |= all[r].capturing != 0;
+    }
+    for (int r = 0; r < world; r++) {
+        int used = all[r].used;
+        int in_slot = used >= 0 && used < EPX_CUDA_AUTO_SLOTS;
+        /* A rank whose x sits in a slot evicted now maps it again. */
+        if (in_slot && (plan->stale & (1u << used)) == 0)
+            plan->used |= 1u << used;
+        plan->wanted |= all[r].want || (in_slot && (plan->stale & (1u << used)) != 0);
+    }
+    plan->map = !plan->capturing && (plan->wanted || plan->stale != 0);
+    if (!plan->map || !plan->wanted)
+        return;
+    /* A stale slot is evicted first and so free: the lowest one is taken before any
+     * other; else a free slot, else the one read longest ago and not in this call. */
+    for (int i = EPX_CUDA_AUTO_SLOTS - 1; i >= 0; i--)
+        if ((plan->stale & (1u << i)) != 0)
+            plan->victim = i;
+    if (plan->victim < 0)
+        plan->victim = pick_slot(au, plan->used);
 }
 
 /* Close slot `i`'s mappings here (local; the device drained first by the caller: this
@@ -217,11 +227,12 @@ static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t ro
 }
 
 /* This rank's record: whether it needs a mapping, which slot it reads. */
-static auto_record_t make_record(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t rows,
-                                 cudaStream_t stream, int placed, epx__cuda_ipc_allocation_t *a)
+static epx__cuda_auto_record_t make_record(epx__cuda_buffer_t *cuda, const epx_tensor_t *x,
+                                           int64_t rows, cudaStream_t stream, int placed,
+                                           epx__cuda_ipc_allocation_t *a)
 {
     epx__cuda_auto_t *au = &cuda->autoreg;
-    auto_record_t mine = {0, -1, 0, 0};
+    epx__cuda_auto_record_t mine = {0, -1, 0, 0};
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess)
         (void)cudaGetLastError();
@@ -250,28 +261,17 @@ static auto_record_t make_record(epx__cuda_buffer_t *cuda, const epx_tensor_t *x
     return mine;
 }
 
-/* Publish this rank's record of call `now`, wait for every rank's, add them up. */
-static epx_status_t exchange(epx__cuda_buffer_t *cuda, const auto_record_t *mine, int me,
-                             int world, uint64_t now, auto_record_t *all, auto_round_t *round)
+/* Publish this rank's record of call `now`, wait for every rank's, plan from them. */
+static epx_status_t exchange(epx__cuda_buffer_t *cuda, const epx__cuda_auto_record_t *mine,
+                             int me, int world, uint64_t now, epx__cuda_auto_plan_t *plan)
 {
     epx__shm_t *shm = cuda->autoreg.shm;
-    auto_record_t *records = epx__shm_peer(shm, me);
-    records[now & 1] = *mine;
+    epx__cuda_auto_record_t all[EPX_CUDA_MAX_RANKS];
+    ((epx__cuda_auto_record_t *)epx__shm_peer(shm, me))[now & 1] = *mine;
     EPX_CHECK(epx__shm_barrier(shm, "combine (exchanging inputs mapped on demand)"));
-    memset(round, 0, sizeof(*round));
-    for (int r = 0; r < world; r++) {
-        all[r] = ((const auto_record_t *)epx__shm_peer(shm, r))[now & 1];
-        round->stale |= all[r].stale & AUTO_SLOT_MASK;
-        round->capturing |= all[r].capturing;
-    }
-    for (int r = 0; r < world; r++) {
-        int used = all[r].used;
-        int in_slot = used >= 0 && used < EPX_CUDA_AUTO_SLOTS;
-        /* A rank whose x sits in a slot evicted now maps it again. */
-        if (in_slot && (round->stale & (1u << used)) == 0)
-            round->used |= 1u << used;
-        round->wanted |= all[r].want || (in_slot && (round->stale & (1u << used)) != 0);
-    }
+    for (int r = 0; r < world; r++)
+        all[r] = ((const epx__cuda_auto_record_t *)epx__shm_peer(shm, r))[now & 1];
+    epx__cuda_auto_plan(&cuda->autoreg, all, world, plan);
     return EPX_SUCCESS;
 }
 
@@ -287,37 +287,30 @@ epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, const epx_tensor_t *x, i
     uint64_t now = ++au->calls;
     epx__cuda_ipc_allocation_t a;
     memset(&a, 0, sizeof(a));
-    auto_record_t mine = make_record(cuda, x, rows, stream, placed, &a);
-    auto_record_t all[EPX_CUDA_MAX_RANKS];
-    auto_round_t round;
-    EPX_CHECK(exchange(cuda, &mine, buffer->group->rank, world, now, all, &round));
+    epx__cuda_auto_record_t mine = make_record(cuda, x, rows, stream, placed, &a);
+    epx__cuda_auto_plan_t plan;
+    EPX_CHECK(exchange(cuda, &mine, buffer->group->rank, world, now, &plan));
     for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
-        if ((round.used & (1u << i)) != 0)
+        if ((plan.used & (1u << i)) != 0)
             au->slots[i].last_use = now;
-    if (mine.used >= 0 && (round.stale & (1u << mine.used)) != 0) {
+    if (mine.used >= 0 && (plan.stale & (1u << mine.used)) != 0) {
         mine.used = -1;
         mine.want = 1;
     }
-    if (!round.capturing && (round.wanted || round.stale != 0)) {
-        int victim = round.wanted ? pick_slot(au, round.used | round.stale) : -1;
-        /* A stale slot is evicted first and so free: picked before any other. */
-        if (round.wanted && round.stale != 0)
-            for (int i = EPX_CUDA_AUTO_SLOTS - 1; i >= 0; i--)
-                if ((round.stale & (1u << i)) != 0)
-                    victim = i;
+    if (plan.map) {
         epx__cuda_ipc_allocation_t offer;
         memset(&offer, 0, sizeof(offer));
-        if (mine.want && victim >= 0)
+        if (mine.want && plan.victim >= 0)
             offer = a;
-        epx_status_t status = map_round(buffer, round.stale, victim, &offer, stream, now);
+        epx_status_t status = map_round(buffer, plan.stale, plan.victim, &offer, stream, now);
         if (status != EPX_SUCCESS) {
             if (fatal(status))
                 return status;
             turn_off(cuda, epx_last_error());
             return EPX_SUCCESS;
         }
-        if (mine.want && victim >= 0)
-            mine.used = victim;
+        if (mine.want && plan.victim >= 0)
+            mine.used = plan.victim;
     }
     if (mine.used < 0)
         return EPX_SUCCESS;
@@ -334,7 +327,7 @@ epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
     epx_group_t group = buffer->group;
     if (!au->on)
         return local;
-    auto_record_t mine = {0, -1, local == EPX_SUCCESS ? stale_slots(au) : 0, 0};
+    epx__cuda_auto_record_t mine = {0, -1, local == EPX_SUCCESS ? stale_slots(au) : 0, 0};
     struct {
         int32_t status; /* the vote's */
         uint32_t stale;
@@ -358,7 +351,8 @@ void epx__cuda_auto_create(epx_buffer_t buffer)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     epx__transport_ranks_t ranks = epx__group_ranks(buffer->group);
-    _Static_assert(2 * sizeof(auto_record_t) <= 4096, "two records fit the shared page");
+    _Static_assert(2 * sizeof(epx__cuda_auto_record_t) <= 4096,
+                   "two records fit the shared page");
     if (ranks.world_size > EPX_CUDA_MAX_RANKS) {
         EPX_WARN(EPX_SUBSYS_OPS, "buffer_create: auto_register takes at most %d ranks; it is "
                                  "off for this buffer and combines copy x into the buffer",

@@ -112,24 +112,23 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     epx__cuda_buffer_t *cuda = buffer->impl;
     const epx__cuda_shape_t *s = &cuda->shape;
     cudaStream_t st = (cudaStream_t)stream;
+    EPX_CHECK(epx__cuda_poll(buffer));
     const struct epx_handle *handle = args->handle;
     const epx__cuda_handle_state_t *state = handle->backend_state;
+    if (state == NULL)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
+
     int64_t rows = args->x.shape[0];
     if (rows > s->max_recv)
         rows = s->max_recv; /* rows past any rank's receive count are never read */
     int inside = 0;
     int64_t x_offset = s->off_x, x_stride = s->hidden * 2;
     int32_t x_region = 0;
-    epx_status_t status = epx__cuda_poll(buffer);
-    if (status == EPX_SUCCESS && state == NULL)
-        status = EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
-    if (status == EPX_SUCCESS)
-        status = locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride);
-    if (status == EPX_SUCCESS && !inside) {
+    EPX_CHECK(locate_x(cuda, &args->x, rows, &inside, &x_offset, &x_stride));
+    if (!inside) {
         locate_registered(buffer, &args->x, rows, &x_region, &x_offset, &x_stride);
         inside = x_region != 0;
     }
-    EPX_CHECK(status);
     /* Mapped on demand (auto_register.c): an exchange with every peer (a rank that failed
      * before it has published its failure there, through the buffer's abort). */
     if (cuda->autoreg.on)

@@ -151,6 +151,30 @@ epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *
  * off on every rank with a warning.
  */
 void epx__cuda_auto_create(epx_buffer_t buffer);
+
+/* One rank's record of one combine, in its host shared memory (two, by the call's
+ * parity: a rank writes call n + 1's while a slower peer may still read call n's, never
+ * n - 1's, which every peer read before it entered call n's barrier). */
+typedef struct {
+    int32_t want;      /* this rank's x is in an allocation no slot holds */
+    int32_t used;      /* the slot this rank's x is read from this call, or -1 */
+    uint32_t stale;    /* slots holding an allocation of this rank that is gone (freed) */
+    int32_t capturing; /* this rank is capturing a CUDA graph */
+} epx__cuda_auto_record_t;
+
+/* What every rank's records of one combine decide (the same on every rank). */
+typedef struct {
+    uint32_t stale; /* slots to evict first */
+    uint32_t used;  /* slots read in this call (the stale ones left out) */
+    int wanted;     /* some rank needs a mapping (or a new one for a slot evicted now) */
+    int capturing;  /* some rank is capturing a graph: nothing is mapped */
+    int map;        /* a mapping step runs: !capturing and (wanted or stale) */
+    int victim;     /* the slot the new allocations go to; -1: none free (copied in) */
+} epx__cuda_auto_plan_t;
+
+/* The plan from `all` ([world]) and the slots' shared state (auto_register.c). */
+void epx__cuda_auto_plan(const epx__cuda_auto_t *au, const epx__cuda_auto_record_t *all,
+                         int world, epx__cuda_auto_plan_t *plan);
 /*
  * Collective, in every rank's combine when auto_register is on (whatever its x; a rank
  * that failed before publishes its failure through the buffer's abort, which ends the
