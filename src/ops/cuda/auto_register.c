@@ -132,8 +132,11 @@ static void turn_off(epx__cuda_buffer_t *cuda, const char *why)
              why);
     epx__clear_error();
     cuda->autoreg.on = 0;
-    (void)cudaDeviceSynchronize();
-    (void)cudaGetLastError();
+    /* Undrained, the mappings stay open until the buffer is destroyed. */
+    if (cudaDeviceSynchronize() != cudaSuccess) {
+        (void)cudaGetLastError();
+        return;
+    }
     for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
         (void)evict(cuda, i);
     epx__clear_error();
@@ -161,12 +164,11 @@ static epx_status_t map_round(epx_buffer_t buffer, uint32_t stale, int victim,
     epx__cuda_auto_t *au = &cuda->autoreg;
     int evicting = stale != 0 || (victim >= 0 && au->slots[victim].occupied);
     epx_status_t local = evicting ? drain() : EPX_SUCCESS;
-    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS; i++)
-        if ((stale & (1u << i)) != 0 || i == victim) {
-            epx_status_t s = evict(cuda, i);
-            if (local == EPX_SUCCESS)
-                local = s;
-        }
+    /* Undrained, queued kernels may still read the mappings: they stay open (the vote
+     * below fails every rank's step alike). */
+    for (int i = 0; i < EPX_CUDA_AUTO_SLOTS && local == EPX_SUCCESS; i++)
+        if ((stale & (1u << i)) != 0 || i == victim)
+            local = evict(cuda, i);
     if (victim < 0)
         return epx__cuda_vote(group, local, "combine", "could not close inputs mapped on demand");
 
@@ -342,9 +344,10 @@ epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
     if (stale == 0)
         return EPX_SUCCESS;
     status = map_round(buffer, stale, -1, NULL, NULL, 0);
-    if (status != EPX_SUCCESS && !fatal(status))
-        turn_off(cuda, epx_last_error());
-    return status;
+    if (status == EPX_SUCCESS || fatal(status))
+        return status;
+    turn_off(cuda, epx_last_error()); /* every slot closed: the registration may go on */
+    return EPX_SUCCESS;
 }
 
 void epx__cuda_auto_create(epx_buffer_t buffer)

@@ -122,6 +122,10 @@ int epx__cuda_note_failure(epx_buffer_t buffer)
         cuda->error_seen = 1;
         EPX_WARN(EPX_SUBSYS_OPS, "device: %s", cuda->error_message);
         epx__buffer_set_async_error(buffer, cuda->error_status, cuda->error_message);
+        /* Peers waiting in a combine's exchange of inputs mapped on demand stop too
+         * (the first failure published there wins). */
+        if (cuda->autoreg.shm != NULL)
+            epx__shm_abort(cuda->autoreg.shm, cuda->error_status, cuda->error_message);
     }
     return 1;
 }
