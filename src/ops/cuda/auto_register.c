@@ -178,7 +178,8 @@ static epx_status_t map_round(epx_buffer_t buffer, uint32_t stale, int victim,
     epx__transport_ranks_t ranks = epx__group_ranks(group);
     epx__cuda_ipc_range_t *range = NULL;
     epx_status_t status = epx__cuda_ipc_range_map(&ranks, &cuda->ipc_cache, (void *)offer->base,
-                                                  offer->bytes, reach, local, &range);
+                                                  offer->bytes, reach, local,
+                                                  "combine (mapping x on demand)", &range);
     if (status != EPX_SUCCESS)
         return status;
     char *table[EPX_CUDA_MAX_RANKS];

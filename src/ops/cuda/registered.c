@@ -46,7 +46,8 @@ epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot)
     epx__transport_ranks_t ranks = epx__group_ranks(group);
     epx__cuda_ipc_range_t *range = NULL;
     status = epx__cuda_ipc_range_map(&ranks, &cuda->ipc_cache, buffer->registered[slot].ptr,
-                                     buffer->registered[slot].bytes, reach, status, &range);
+                                     buffer->registered[slot].bytes, reach, status,
+                                     "buffer_register", &range);
     free(reach);
     if (status == EPX_SUCCESS) {
         err = cudaDeviceSynchronize();

@@ -59,12 +59,14 @@ typedef struct {
 /*
  * Collective over `ranks` (ranks->device current): `reach[r]` nonzero maps rank r's
  * range (ignored for this rank). A rank with nothing to offer passes `bytes` 0 (its
- * entry stays NULL everywhere). A rank that already failed passes `local_status`.
+ * entry stays NULL everywhere). A rank that already failed passes `local_status`. `op`
+ * names the call in messages ("buffer_register").
  * Every rank returns the same kind of answer; nothing stays opened on failure.
  */
 epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__cuda_ipc_cache_t *cache,
                                      void *ptr, size_t bytes, const int *reach,
-                                     epx_status_t local_status, epx__cuda_ipc_range_t **range);
+                                     epx_status_t local_status, const char *op,
+                                     epx__cuda_ipc_range_t **range);
 /* The device allocation holding `ptr`: its start, size and the driver's id for it
  * (CU_POINTER_ATTRIBUTE_BUFFER_ID, never reused: tells a new allocation at an old
  * address apart). Local; an error for memory that is not a device allocation. */

@@ -89,46 +89,45 @@ int epx__cuda_ipc_exportable(uintptr_t base)
 }
 
 /* The allocation holding [ptr, ptr + bytes) and the range's offset in it, with its handle. */
-static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
+static epx_status_t describe_range(const char *op, void *ptr, size_t bytes, range_vote_t *vote)
 {
     struct cudaPointerAttributes attr;
     EPX_CUDA_CHECK(cudaPointerGetAttributes(&attr, ptr),
-                   "buffer_register: cudaPointerGetAttributes(%p)", ptr);
+                   "%s: cudaPointerGetAttributes(%p)", op, ptr);
     if (attr.type != cudaMemoryTypeDevice)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "buffer_register: %p is not device memory (CUDA memory type %d)", ptr,
+                         "%s: %p is not device memory (CUDA memory type %d)", op, ptr,
                          (int)attr.type);
     get_address_range_fn get_range =
         (get_address_range_fn)driver_function("cuMemGetAddressRange");
     if (get_range == NULL)
-        return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: the driver has no cuMemGetAddressRange");
+        return EPX_ERROR(EPX_ERR_CUDA, "%s: the driver has no cuMemGetAddressRange", op);
     unsigned long long base = 0;
     size_t size = 0;
     int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
     if (rc != 0)
-        return EPX_ERROR(EPX_ERR_CUDA, "buffer_register: cuMemGetAddressRange(%p) failed (%d)",
-                         ptr, rc);
+        return EPX_ERROR(EPX_ERR_CUDA, "%s: cuMemGetAddressRange(%p) failed (%d)", op, ptr, rc);
     uint64_t offset = (uint64_t)(uintptr_t)ptr - base;
     if (offset + bytes > size)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                         "buffer_register: [%p, +%zu) runs past the end of its allocation "
-                         "(%zu bytes from %p): a range must lie in one allocation",
-                         ptr, bytes, size, (void *)(uintptr_t)base);
+                         "%s: [%p, +%zu) runs past the end of its allocation (%zu bytes from "
+                         "%p): a range must lie in one allocation",
+                         op, ptr, bytes, size, (void *)(uintptr_t)base);
     EPX_CUDA_CHECK(cudaIpcGetMemHandle(&vote->handle, (void *)(uintptr_t)base),
-                   "buffer_register: cudaIpcGetMemHandle of the allocation holding %p (memory "
-                   "from cudaMallocAsync or the VMM API, such as PyTorch's expandable "
-                   "segments, has none: register memory from cudaMalloc)",
-                   ptr);
+                   "%s: cudaIpcGetMemHandle of the allocation holding %p (memory from "
+                   "cudaMallocAsync or the VMM API, such as PyTorch's expandable segments, has "
+                   "none: use memory from cudaMalloc)",
+                   op, ptr);
     /* Measured on an H200 (docs/PERFORMANCE.md): peers read an allocation whose size is
      * not a multiple of 2 MiB through CUDA IPC up to 1.7x slower than one that is (in its
      * own process it reads alike; the driver's reason is not known). Allowed, but said
      * once per registration. */
     if (size % ((size_t)2 << 20) != 0)
         EPX_WARN(EPX_SUBSYS_TRANSPORT,
-                 "buffer_register: the allocation holding %p is %zu bytes, not a multiple of "
-                 "2 MiB: peers read such memory up to 1.7x slower; allocate in multiples of "
-                 "2 MiB (PyTorch's caching allocator does)",
-                 ptr, size);
+                 "%s: the allocation holding %p is %zu bytes, not a multiple of 2 MiB: peers "
+                 "read such memory up to 1.7x slower; allocate in multiples of 2 MiB "
+                 "(PyTorch's caching allocator does)",
+                 op, ptr, size);
     epx__cuda_ipc_allocation_t allocation;
     EPX_CHECK(epx__cuda_ipc_allocation(ptr, &allocation));
     vote->offset = offset;
@@ -138,8 +137,8 @@ static epx_status_t describe_range(void *ptr, size_t bytes, range_vote_t *vote)
 }
 
 /* Rank r's allocation, opened once in this process. */
-static epx_status_t open_allocation(epx__cuda_ipc_cache_t *cache, int r, const range_vote_t *vote,
-                                    epx__cuda_ipc_opened_t **out)
+static epx_status_t open_allocation(const char *op, epx__cuda_ipc_cache_t *cache, int r,
+                                    const range_vote_t *vote, epx__cuda_ipc_opened_t **out)
 {
     for (epx__cuda_ipc_opened_t *o = cache->head; o != NULL; o = o->next)
         if (o->rank == r && o->id == vote->id &&
@@ -150,15 +149,15 @@ static epx_status_t open_allocation(epx__cuda_ipc_cache_t *cache, int r, const r
         }
     epx__cuda_ipc_opened_t *o = calloc(1, sizeof(*o));
     if (o == NULL)
-        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "%s: out of host memory", op);
     void *base = NULL;
     cudaError_t err = cudaIpcOpenMemHandle(&base, vote->handle, cudaIpcMemLazyEnablePeerAccess);
     if (err != cudaSuccess) {
         free(o);
         return EPX_CUDA_ERROR(err,
-                              "buffer_register: opening rank %d's range (device %d) with "
+                              "%s: opening rank %d's range (device %d) with "
                               "cudaIpcOpenMemHandle",
-                              r, vote->device);
+                              op, r, vote->device);
     }
     o->rank = r;
     o->handle = vote->handle;
@@ -185,13 +184,14 @@ static void release_allocation(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_opene
     free(opened);
 }
 
-static epx_status_t open_ranges(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_range_t *range, int me,
-                                const int *reach, const range_vote_t *votes)
+static epx_status_t open_ranges(const char *op, epx__cuda_ipc_cache_t *cache,
+                                epx__cuda_ipc_range_t *range, int me, const int *reach,
+                                const range_vote_t *votes)
 {
     for (int r = 0; r < range->world_size; r++) {
         if (r == me || !reach[r] || votes[r].bytes == 0)
             continue;
-        EPX_CHECK(open_allocation(cache, r, &votes[r], &range->opened[r]));
+        EPX_CHECK(open_allocation(op, cache, r, &votes[r], &range->opened[r]));
         range->peers[r] = range->opened[r]->base + votes[r].offset;
     }
     return EPX_SUCCESS;
@@ -199,7 +199,8 @@ static epx_status_t open_ranges(epx__cuda_ipc_cache_t *cache, epx__cuda_ipc_rang
 
 epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__cuda_ipc_cache_t *cache,
                                      void *ptr, size_t bytes, const int *reach,
-                                     epx_status_t local_status, epx__cuda_ipc_range_t **out)
+                                     epx_status_t local_status, const char *op,
+                                     epx__cuda_ipc_range_t **out)
 {
     int R = ranks->world_size;
     epx__cuda_ipc_range_t *range = calloc(1, sizeof(*range));
@@ -215,24 +216,24 @@ epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__c
         free(votes);
         free(results);
         epx__cuda_ipc_range_unmap(cache, range);
-        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_register: out of host memory");
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "%s: out of host memory", op);
     }
     range_vote_t mine;
     memset(&mine, 0, sizeof(mine));
     mine.device = ranks->device;
     epx_status_t status = local_status;
     if (status == EPX_SUCCESS && bytes > 0)
-        status = describe_range(ptr, bytes, &mine);
+        status = describe_range(op, ptr, bytes, &mine);
     status = epx__bootstrap_vote(ranks->bootstrap, R, status, &mine, votes, sizeof(mine),
-                                 "buffer_register", "could not export its range");
+                                 op, "could not export its range");
     if (status == EPX_SUCCESS) {
         range->peers[ranks->rank] = bytes > 0 ? ptr : NULL;
         range_vote_t opened;
         memset(&opened, 0, sizeof(opened));
         opened.device = ranks->device;
         status = epx__bootstrap_vote(ranks->bootstrap, R,
-                                     open_ranges(cache, range, ranks->rank, reach, votes),
-                                     &opened, results, sizeof(opened), "buffer_register",
+                                     open_ranges(op, cache, range, ranks->rank, reach, votes),
+                                     &opened, results, sizeof(opened), op,
                                      "could not map its peers' ranges");
     }
     free(votes);
