@@ -26,8 +26,7 @@
  */
 #include "epx_tool.h"
 
-#include "bulk.cuh"
-#include "signal.cuh"
+#include "ring_store.cuh"
 
 #define EPX_FANOUT_WARPS (EPX_CUDA_THREADS / 32)
 
@@ -144,32 +143,14 @@ __device__ __forceinline__ void epx_fanout_store_rows(const epx__cuda_shape_t &s
     int slot = 0;
     uint32_t lap = 0;
     for (int k = 0;; k++) {
-        if (!epx_mbar_wait_warp(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed)) {
-            if (lane == 0 && !epx_failed(s))
-                epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
-                                   s.rank, 0, k, 0);
+        if (!epx_ring_wait_full(s, &st.full[slot], lap, k, 0))
             return;
-        }
         if (st.row[slot] < 0)
             return;
-        const int count = st.count[slot];
-        const int4 *in = reinterpret_cast<const int4 *>(ring + slot * slot_bytes);
-        const int first = (static_cast<int>(threadIdx.x) + (k & 3) * (EPX_CUDA_THREADS / 4)) &
-                          (EPX_CUDA_THREADS - 1);
-        for (int u0 = first; u0 < units; u0 += 4 * EPX_CUDA_THREADS) {
-            int4 v[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                if (u0 + q * EPX_CUDA_THREADS < units)
-                    v[q] = in[u0 + q * EPX_CUDA_THREADS];
-            for (int j = 0; j < count; j++) {
-                char *dst = st.dst[slot][j] + static_cast<int64_t>(u0) * 16;
-#pragma unroll
-                for (int q = 0; q < 4; q++)
-                    if (u0 + q * EPX_CUDA_THREADS < units)
-                        epx_st_v4(dst + q * EPX_CUDA_THREADS * 16, v[q]);
-            }
-        }
+        const int first =
+            epx_ring_first_unit<EPX_CUDA_THREADS>(static_cast<int>(threadIdx.x), k);
+        epx_ring_store_row<EPX_CUDA_THREADS>(ring + slot * slot_bytes, units, st.dst[slot],
+                                             st.count[slot], first);
         __syncwarp();
         if (lane == 0)
             epx_mbar_arrive(&st.empty[slot]);

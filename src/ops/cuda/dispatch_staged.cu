@@ -32,9 +32,8 @@
  * to the vector kernel when x rows are not 16-byte aligned or two slots a pipe do not
  * fit.
  */
-#include "bulk.cuh"
 #include "dispatch_parts.cuh"
-#include "signal.cuh"
+#include "ring_store.cuh"
 
 /* Pipes a block: each a loader warp, its store warps and its own ring. 1, 2 or 4; a
  * build may set it (-DEPX_STAGED_PIPES=4 in CMAKE_CUDA_FLAGS) to measure another count. */
@@ -294,46 +293,17 @@ __device__ __forceinline__ void epx_staged_store(const epx__cuda_shape_t &s,
     int slot = 0;
     uint32_t lap = 0;
     for (int k = 0;; k++) {
-        if (!epx_mbar_wait_warp(&st.full[slot], lap & 1, s.timeout_ns, &s.local->failed)) {
-            if (lane == 0 && !epx_failed(s))
-                /* index: the slots this warp had taken (no token is known here) */
-                epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank,
-                                   s.rank, 0, k, 1);
+        /* index: the slots this warp had taken (no token is known here) */
+        if (!epx_ring_wait_full(s, &st.full[slot], lap, k, 1))
             return;
-        }
         const uint64_t mask = st.mask[slot];
         if (mask == 0)
             return;
         const int32_t *rows = st.rows[slot];
         const int count = st.count[slot];
         const char *in = ring + slot * g.slot_bytes;
-        const int me = (thread + (k & 3) * (EPX_STAGED_PIPE_THREADS / 4)) &
-                       (EPX_STAGED_PIPE_THREADS - 1);
-        for (int u0 = me; u0 < units; u0 += 4 * EPX_STAGED_PIPE_THREADS) {
-            int4 v[4];
-#pragma unroll
-            for (int q = 0; q < 4; q++)
-                if (u0 + q * EPX_STAGED_PIPE_THREADS < units)
-                    v[q] = reinterpret_cast<const int4 *>(in)[u0 + q * EPX_STAGED_PIPE_THREADS];
-            /* Destinations eight at a time: their places read together, then the stores
-             * back to back (a shared-memory read between stores waits behind them). */
-            for (int j0 = 0; j0 < count; j0 += 8) {
-                char *dst[8];
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    dst[j] = j0 + j < count ? st.dst[slot][j0 + j] : nullptr;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    if (j0 + j >= count)
-                        break;
-                    char *d = dst[j] + static_cast<int64_t>(u0) * 16;
-#pragma unroll
-                    for (int q = 0; q < 4; q++)
-                        if (u0 + q * EPX_STAGED_PIPE_THREADS < units)
-                            epx_st_v4(d + q * EPX_STAGED_PIPE_THREADS * 16, v[q]);
-                }
-            }
-        }
+        const int me = epx_ring_first_unit<EPX_STAGED_PIPE_THREADS>(thread, k);
+        epx_ring_store_row<EPX_STAGED_PIPE_THREADS>(in, units, st.dst[slot], count, me);
         if ((k & (EPX_STAGED_PIPE_WARPS - 1)) == warp)
             epx_dispatch_store_parts(s, a, peers, mask, rows, st.token[slot], 0, 1,
                                      st.ids[slot][lane], st.weights[slot][lane], lane);
