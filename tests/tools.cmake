@@ -4,7 +4,7 @@ set(EPX_TOOLS_TEST_SCRIPT ${CMAKE_CURRENT_LIST_DIR}/tools/tools_test.sh)
 set(EPX_TOOLS_TEST_CASES
     launch_env launch_output launch_failure launch_exec_failure launch_timeout
     launch_forward_signal launch_bad_flag launch_mps params_list params_bad_value version
-    bench_bad_flag bench_check bench_json bench_fanout bench_nodes bench_ll_nodes bench_ll_check bench_ll_json soak
+    bench_bad_flag bench_check bench_json bench_auto_register bench_fanout bench_nodes bench_ll_nodes bench_ll_check bench_ll_json soak
     soak_inject soak_rejoin soak_bad_flag)
 foreach(case ${EPX_TOOLS_TEST_CASES})
   add_test(NAME tools.${case} COMMAND sh ${EPX_TOOLS_TEST_SCRIPT} $<TARGET_FILE:epx_tool> ${case})

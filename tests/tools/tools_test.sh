@@ -273,6 +273,19 @@ bench_check)
     expect_rc 0
     expect_count ' PASS$' out 7
     ;;
+bench_auto_register)
+    # combine_copy's x mapped on demand (config.auto_register): said in the header and in
+    # every JSON row; the CPU backend copies as before, so every check still passes.
+    run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
+        --auto-register
+    expect_rc 0
+    expect_count ' PASS$' out 7
+    expect_count '# --auto-register: combine_copy' out 1
+    run "$EPX" bench -n 2 --tokens 16 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
+        --auto-register --json --iters 1
+    expect_rc 0
+    expect_count '"auto_register":1' out 7
+    ;;
 bench_json)
     run "$EPX" bench -n 3 --tokens 64 --hidden 256 --experts 12 --topk 2 --check --json --iters 2
     expect_rc 0
@@ -287,6 +300,7 @@ for row in rows:
     assert row["ranks"] == 3 and row["tokens"] == 64 and row["iters"] == 2, row
     assert row["check"] == "PASS", row
     assert row["sms"] is None and "pct_of_floor" not in row, row  # CPU backend: no SM budget
+    assert row["auto_register"] == 0, row
     assert row["median_us"] > 0 and row["p99_us"] >= row["median_us"], row
     # Per iteration the slowest rank took at least as long as rank 0.
     assert row["slowest_median_us"] >= row["median_us"], row

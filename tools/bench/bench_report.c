@@ -240,6 +240,7 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
             (unsigned long long)context->seed, context->warmup, context->iters,
             epx__bench_dtype_text(row->dtype), epx__bench_op_name(row->op));
     epx__bench_print_json_number(out, "sms", context->sms > 0 ? context->sms : NAN);
+    fprintf(out, ",\"auto_register\":%d", context->auto_register ? 1 : 0);
     epx__bench_print_json_number(out, "median_us", row->median_us);
     epx__bench_print_json_number(out, "p99_us", row->p99_us);
     epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
