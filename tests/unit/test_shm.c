@@ -64,6 +64,7 @@ static int body_barriers(int rank, epx__shm_t *shm)
         for (int r = 0; r < WORLD; r++)
             ((uint64_t *)epx__shm_peer(shm, r))[1 + rank] = round * 1000 + (uint64_t)rank;
         CHECK_OK(epx__shm_barrier(shm, "test (values written)"));
+        CHECK_OK(epx__shm_check_failed(shm, "test (nobody failed)"));
         for (int s = 0; s < WORLD; s++) {
             CHECK_EQ_INT(((const uint64_t *)epx__shm_peer(shm, s))[0], round * 16 + (uint64_t)s);
             CHECK_EQ_INT(own[1 + s], round * 1000 + (uint64_t)s);
@@ -110,6 +111,9 @@ static int body_abort(int rank, epx__shm_t *shm)
     int64_t start = epx__now_ns();
     CHECK_STATUS(epx__shm_barrier(shm, "dispatch (waiting for data)"), EPX_ERR_REMOTE);
     CHECK_ERROR_MENTIONS("dispatch (waiting for data): rank 1 failed: rank one gave up on purpose");
+    /* Asked without a wait, the same answer. */
+    CHECK_STATUS(epx__shm_check_failed(shm, "combine (before mapping)"), EPX_ERR_REMOTE);
+    CHECK_ERROR_MENTIONS("combine (before mapping): rank 1 failed: rank one gave up on purpose");
     if (seconds_since(start) > 1.0)
         TEST_FAIL("rank %d took %.3f s to see rank 1's abort", rank, seconds_since(start));
     if (rank == 0) {

@@ -301,6 +301,8 @@ epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, const epx_tensor_t *x, i
         mine.want = 1;
     }
     if (plan.map) {
+        /* A peer that failed after it arrived would never join the votes below. */
+        EPX_CHECK(epx__shm_check_failed(au->shm, "combine (mapping inputs on demand)"));
         epx__cuda_ipc_allocation_t offer;
         memset(&offer, 0, sizeof(offer));
         if (mine.want && plan.victim >= 0)

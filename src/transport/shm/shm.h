@@ -47,6 +47,13 @@ epx_status_t epx__shm_barrier(epx__shm_t *shm, const char *stage);
 void epx__shm_abort(epx__shm_t *shm, epx_status_t status, const char *message);
 
 /*
+ * Without waiting: EPX_SUCCESS, or the failure a peer has published (as a barrier would
+ * return it, naming `stage` and the rank that failed first). For a step after a barrier
+ * that a peer may have failed after arriving at.
+ */
+epx_status_t epx__shm_check_failed(epx__shm_t *shm, const char *stage);
+
+/*
  * This rank refuses the collective call it is in, before its first barrier (an argument
  * error found locally, which leaves the buffer usable). A peer waiting for this rank in
  * that barrier stops with EPX_ERR_REMOTE and `message`, unless the peer refused the same

@@ -230,6 +230,14 @@ epx_status_t epx__shm_barrier(epx__shm_t *shm, const char *stage)
     }
 }
 
+epx_status_t epx__shm_check_failed(epx__shm_t *shm, const char *stage)
+{
+    for (int r = 0; r < shm->world_size; r++)
+        if (r != shm->rank)
+            EPX_CHECK(epx__shm_check_abort(shm, r, stage));
+    return EPX_SUCCESS;
+}
+
 void epx__shm_abort(epx__shm_t *shm, epx_status_t status, const char *message)
 {
     if (shm == NULL)
