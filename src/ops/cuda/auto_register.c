@@ -49,10 +49,10 @@ static uint32_t stale_slots(const epx__cuda_auto_t *au)
         epx__cuda_ipc_allocation_t now;
         if (m->bytes == 0)
             continue;
-        if (epx__cuda_ipc_allocation((void *)m->base, &now) != EPX_SUCCESS) {
+        if (epx__cuda_ipc_allocation("combine", (void *)m->base, &now) != EPX_SUCCESS) {
             epx__clear_error();
             stale |= 1u << i;
-        } else if (now.base != m->base || now.bytes != m->bytes || now.id != m->id) {
+        } else if (!slot_holds(&au->slots[i], &now)) {
             stale |= 1u << i;
         }
     }
@@ -218,7 +218,7 @@ static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t ro
     uintptr_t end = first + (uintptr_t)((rows - 1) * pitch + cuda->shape.hidden * 2);
     if (first % 16 != 0 || pitch % 16 != 0)
         return 0;
-    if (epx__cuda_ipc_allocation(x->data, a) != EPX_SUCCESS) {
+    if (epx__cuda_ipc_allocation("combine", x->data, a) != EPX_SUCCESS) {
         epx__clear_error();
         return 0;
     }
@@ -332,11 +332,10 @@ epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
     epx_group_t group = buffer->group;
     if (!au->on)
         return local;
-    epx__cuda_auto_record_t mine = {0, -1, local == EPX_SUCCESS ? stale_slots(au) : 0, 0};
     struct {
         int32_t status; /* the vote's */
         uint32_t stale;
-    } vote = {0, mine.stale}, all[EPX_CUDA_MAX_RANKS];
+    } vote = {0, local == EPX_SUCCESS ? stale_slots(au) : 0}, all[EPX_CUDA_MAX_RANKS];
     epx_status_t status = epx__bootstrap_vote(group->bootstrap, group->world_size, local, &vote,
                                               all, sizeof(vote), "buffer_register", "failed");
     if (status != EPX_SUCCESS)

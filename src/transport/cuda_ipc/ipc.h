@@ -69,13 +69,15 @@ epx_status_t epx__cuda_ipc_range_map(const epx__transport_ranks_t *ranks, epx__c
                                      epx__cuda_ipc_range_t **range);
 /* The device allocation holding `ptr`: its start, size and the driver's id for it
  * (CU_POINTER_ATTRIBUTE_BUFFER_ID, never reused: tells a new allocation at an old
- * address apart). Local; an error for memory that is not a device allocation. */
+ * address apart). Local; an error for memory that is not a device allocation, its
+ * message starting with `op`. */
 typedef struct {
     uintptr_t base;
     size_t bytes;
     unsigned long long id;
 } epx__cuda_ipc_allocation_t;
-epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation);
+epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
+                                      epx__cuda_ipc_allocation_t *allocation);
 /* Whether the allocation starting at `base` has a CUDA IPC handle (cudaMalloc memory
  * does; cudaMallocAsync and VMM memory do not). Local. */
 int epx__cuda_ipc_exportable(uintptr_t base);

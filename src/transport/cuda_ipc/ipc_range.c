@@ -53,7 +53,8 @@ static void *driver_function(const char *name)
     return fn;
 }
 
-epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation)
+epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
+                                      epx__cuda_ipc_allocation_t *allocation)
 {
     memset(allocation, 0, sizeof(*allocation));
     static get_address_range_fn get_range;
@@ -63,8 +64,8 @@ epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_
     if (get_attribute == NULL)
         get_attribute = (get_pointer_attribute_fn)driver_function("cuPointerGetAttribute");
     if (get_range == NULL || get_attribute == NULL)
-        return EPX_ERROR(EPX_ERR_CUDA, "the driver has no cuMemGetAddressRange / "
-                                       "cuPointerGetAttribute");
+        return EPX_ERROR(EPX_ERR_CUDA, "%s: the driver has no cuMemGetAddressRange / "
+                                       "cuPointerGetAttribute", op);
     unsigned long long base = 0, id = 0;
     size_t size = 0;
     int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
@@ -72,8 +73,8 @@ epx_status_t epx__cuda_ipc_allocation(const void *ptr, epx__cuda_ipc_allocation_
         rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID,
                            (unsigned long long)(uintptr_t)ptr);
     if (rc != 0)
-        return EPX_ERROR(EPX_ERR_CUDA, "%p is not in a device allocation (driver error %d)",
-                         ptr, rc);
+        return EPX_ERROR(EPX_ERR_CUDA, "%s: cuMemGetAddressRange / cuPointerGetAttribute(%p) "
+                                       "failed (%d)", op, ptr, rc);
     allocation->base = (uintptr_t)base;
     allocation->bytes = size;
     allocation->id = id;
@@ -98,15 +99,10 @@ static epx_status_t describe_range(const char *op, void *ptr, size_t bytes, rang
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: %p is not device memory (CUDA memory type %d)", op, ptr,
                          (int)attr.type);
-    get_address_range_fn get_range =
-        (get_address_range_fn)driver_function("cuMemGetAddressRange");
-    if (get_range == NULL)
-        return EPX_ERROR(EPX_ERR_CUDA, "%s: the driver has no cuMemGetAddressRange", op);
-    unsigned long long base = 0;
-    size_t size = 0;
-    int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
-    if (rc != 0)
-        return EPX_ERROR(EPX_ERR_CUDA, "%s: cuMemGetAddressRange(%p) failed (%d)", op, ptr, rc);
+    epx__cuda_ipc_allocation_t allocation;
+    EPX_CHECK(epx__cuda_ipc_allocation(op, ptr, &allocation));
+    uintptr_t base = allocation.base;
+    size_t size = allocation.bytes;
     uint64_t offset = (uint64_t)(uintptr_t)ptr - base;
     if (offset + bytes > size)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
@@ -128,8 +124,6 @@ static epx_status_t describe_range(const char *op, void *ptr, size_t bytes, rang
                  "read such memory up to 1.7x slower; allocate in multiples of 2 MiB "
                  "(PyTorch's caching allocator does)",
                  op, ptr, size);
-    epx__cuda_ipc_allocation_t allocation;
-    EPX_CHECK(epx__cuda_ipc_allocation(ptr, &allocation));
     vote->offset = offset;
     vote->bytes = bytes;
     vote->id = allocation.id;

@@ -140,13 +140,19 @@ void epx__shm_refuse(epx__shm_t *shm, const char *message)
                           memory_order_release);
 }
 
-/* Look for a failed or dead peer that has not arrived, and for the deadline. */
-static epx_status_t epx__shm_check_peers(struct epx__shm *shm, const char *stage, uint64_t target,
-                                         int64_t waited_ns)
+epx_status_t epx__shm_check_failed(epx__shm_t *shm, const char *stage)
 {
     for (int r = 0; r < shm->world_size; r++)
         if (r != shm->rank)
             EPX_CHECK(epx__shm_check_abort(shm, r, stage));
+    return EPX_SUCCESS;
+}
+
+/* Look for a failed or dead peer that has not arrived, and for the deadline. */
+static epx_status_t epx__shm_check_peers(struct epx__shm *shm, const char *stage, uint64_t target,
+                                         int64_t waited_ns)
+{
+    EPX_CHECK(epx__shm_check_failed(shm, stage));
     for (int r = 0; r < shm->world_size; r++)
         if (r != shm->rank &&
             atomic_load_explicit(&shm->headers[r]->arrivals, memory_order_acquire) < target)
@@ -228,14 +234,6 @@ epx_status_t epx__shm_barrier(epx__shm_t *shm, const char *stage)
             next_check = now + EPX__SHM_CHECK_NS;
         }
     }
-}
-
-epx_status_t epx__shm_check_failed(epx__shm_t *shm, const char *stage)
-{
-    for (int r = 0; r < shm->world_size; r++)
-        if (r != shm->rank)
-            EPX_CHECK(epx__shm_check_abort(shm, r, stage));
-    return EPX_SUCCESS;
 }
 
 void epx__shm_abort(epx__shm_t *shm, epx_status_t status, const char *message)
