@@ -49,12 +49,8 @@ static uint32_t stale_slots(const epx__cuda_auto_t *au)
         epx__cuda_ipc_allocation_t now;
         if (m->bytes == 0)
             continue;
-        if (epx__cuda_ipc_allocation("combine", (void *)m->base, &now) != EPX_SUCCESS) {
-            epx__clear_error();
+        if (!epx__cuda_ipc_find_allocation((void *)m->base, &now) || !slot_holds(&au->slots[i], &now))
             stale |= 1u << i;
-        } else if (!slot_holds(&au->slots[i], &now)) {
-            stale |= 1u << i;
-        }
     }
     return stale;
 }
@@ -218,10 +214,8 @@ static int candidate(epx__cuda_buffer_t *cuda, const epx_tensor_t *x, int64_t ro
     uintptr_t end = first + (uintptr_t)((rows - 1) * pitch + cuda->shape.hidden * 2);
     if (first % 16 != 0 || pitch % 16 != 0)
         return 0;
-    if (epx__cuda_ipc_allocation("combine", x->data, a) != EPX_SUCCESS) {
-        epx__clear_error();
+    if (!epx__cuda_ipc_find_allocation(x->data, a))
         return 0;
-    }
     if (end > a->base + a->bytes)
         return 0;
     if (a->base == cuda->autoreg.refused_base && a->id == cuda->autoreg.refused_id)

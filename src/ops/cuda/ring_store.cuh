@@ -15,16 +15,17 @@
 /*
  * Wait (a whole warp) until a slot's `full` barrier completes phase `lap`; on a timeout
  * or a failure elsewhere returns 0, and lane 0 records the timeout unless a failure is
- * recorded already (`index`, `detail`: the record's, naming what the warp waited for).
+ * recorded already (`index`: the record's; `tell_peers`: also end the peers' waits, as
+ * epx_record_failure does).
  */
 __device__ __forceinline__ int epx_ring_wait_full(const epx__cuda_shape_t &s, uint64_t *full,
-                                                  uint32_t lap, int index, int detail)
+                                                  uint32_t lap, int index, int tell_peers)
 {
     if (epx_mbar_wait_warp(full, lap & 1, s.timeout_ns, &s.local->failed))
         return 1;
     if (epx_lane() == 0 && !epx_failed(s))
         epx_record_failure(s, EPX_CUDA_FAIL_TIMEOUT, EPX_CUDA_STAGE_DISPATCH, s.rank, s.rank, 0,
-                           index, detail);
+                           index, tell_peers);
     return 0;
 }
 

@@ -78,6 +78,8 @@ typedef struct {
 } epx__cuda_ipc_allocation_t;
 epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
                                       epx__cuda_ipc_allocation_t *allocation);
+/* The same without an error: 1 found, 0 not a device allocation (freed, or never one). */
+int epx__cuda_ipc_find_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation);
 /* Whether the allocation starting at `base` has a CUDA IPC handle (cudaMalloc memory
  * does; cudaMallocAsync and VMM memory do not). Local. */
 int epx__cuda_ipc_exportable(uintptr_t base);

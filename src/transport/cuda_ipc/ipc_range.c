@@ -53,8 +53,8 @@ static void *driver_function(const char *name)
     return fn;
 }
 
-epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
-                                      epx__cuda_ipc_allocation_t *allocation)
+/* 0, or the failing driver call's name (its code in *rc). */
+static const char *lookup(const void *ptr, epx__cuda_ipc_allocation_t *allocation, int *rc)
 {
     memset(allocation, 0, sizeof(*allocation));
     static get_address_range_fn get_range;
@@ -63,22 +63,40 @@ epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
         get_range = (get_address_range_fn)driver_function("cuMemGetAddressRange");
     if (get_attribute == NULL)
         get_attribute = (get_pointer_attribute_fn)driver_function("cuPointerGetAttribute");
-    if (get_range == NULL || get_attribute == NULL)
-        return EPX_ERROR(EPX_ERR_CUDA, "%s: the driver has no cuMemGetAddressRange / "
-                                       "cuPointerGetAttribute", op);
+    *rc = -1;
+    if (get_range == NULL)
+        return "cuMemGetAddressRange (not in the driver)";
+    if (get_attribute == NULL)
+        return "cuPointerGetAttribute (not in the driver)";
     unsigned long long base = 0, id = 0;
     size_t size = 0;
-    int rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
-    if (rc == 0)
-        rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID,
-                           (unsigned long long)(uintptr_t)ptr);
-    if (rc != 0)
-        return EPX_ERROR(EPX_ERR_CUDA, "%s: cuMemGetAddressRange / cuPointerGetAttribute(%p) "
-                                       "failed (%d)", op, ptr, rc);
+    *rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
+    if (*rc != 0)
+        return "cuMemGetAddressRange";
+    *rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID, (unsigned long long)(uintptr_t)ptr);
+    if (*rc != 0)
+        return "cuPointerGetAttribute(BUFFER_ID)";
     allocation->base = (uintptr_t)base;
     allocation->bytes = size;
     allocation->id = id;
+    return NULL;
+}
+
+epx_status_t epx__cuda_ipc_allocation(const char *op, const void *ptr,
+                                      epx__cuda_ipc_allocation_t *allocation)
+{
+    int rc;
+    const char *failed = lookup(ptr, allocation, &rc);
+    if (failed != NULL)
+        return EPX_ERROR(EPX_ERR_CUDA, "%s: %p is not in a device allocation: %s failed (%d)",
+                         op, ptr, failed, rc);
     return EPX_SUCCESS;
+}
+
+int epx__cuda_ipc_find_allocation(const void *ptr, epx__cuda_ipc_allocation_t *allocation)
+{
+    int rc;
+    return lookup(ptr, allocation, &rc) == NULL;
 }
 
 int epx__cuda_ipc_exportable(uintptr_t base)
