@@ -26,6 +26,7 @@
  * turns the feature off on every rank, with a warning; a peer's failure or timeout fails
  * the combine.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -231,8 +232,12 @@ static epx__cuda_auto_record_t make_record(epx__cuda_buffer_t *cuda, const epx_t
     epx__cuda_auto_t *au = &cuda->autoreg;
     epx__cuda_auto_record_t mine = {0, -1, 0, 0};
     enum cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess)
+    /* A query that fails (the legacy stream while another stream captures, for one)
+     * counts as capturing: nothing is mapped, x is copied in. */
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
         (void)cudaGetLastError();
+        capture = cudaStreamCaptureStatusActive;
+    }
     mine.capturing = capture != cudaStreamCaptureStatusNone;
     if (placed || mine.capturing || !candidate(cuda, x, rows, a))
         return mine;
@@ -295,8 +300,10 @@ epx_status_t epx__cuda_auto_locate(epx_buffer_t buffer, const epx_tensor_t *x, i
         mine.want = 1;
     }
     if (plan.map) {
-        /* A peer that failed after it arrived would never join the votes below. */
-        EPX_CHECK(epx__shm_check_failed(au->shm, "combine (mapping inputs on demand)"));
+        /* Every rank enters the votes below, or none: a peer that failed after it
+         * arrived above (a timeout there, another thread's abort) publishes its failure,
+         * which ends this barrier on every rank. */
+        EPX_CHECK(epx__shm_barrier(au->shm, "combine (before mapping inputs on demand)"));
         epx__cuda_ipc_allocation_t offer;
         memset(&offer, 0, sizeof(offer));
         if (mine.want && plan.victim >= 0)
@@ -346,7 +353,7 @@ epx_status_t epx__cuda_auto_purge(epx_buffer_t buffer, epx_status_t local)
     return EPX_SUCCESS;
 }
 
-void epx__cuda_auto_create(epx_buffer_t buffer)
+epx_status_t epx__cuda_auto_create(epx_buffer_t buffer)
 {
     epx__cuda_buffer_t *cuda = buffer->impl;
     epx__transport_ranks_t ranks = epx__group_ranks(buffer->group);
@@ -357,18 +364,26 @@ void epx__cuda_auto_create(epx_buffer_t buffer)
                                  "off for this buffer and combines copy x into the buffer",
                  EPX_CUDA_MAX_RANKS);
         cuda->autoreg.on = 0;
-        return;
+        return EPX_SUCCESS;
     }
     if (epx__shm_create(&ranks, 4096, &cuda->autoreg.shm) == EPX_SUCCESS)
-        return;
-    /* Every rank failed alike (the creation's votes). */
+        return EPX_SUCCESS;
+    cuda->autoreg.shm = NULL;
+    char why[256];
+    snprintf(why, sizeof(why), "%s", epx_last_error());
+    epx__clear_error();
+    /* Every live rank failed alike (the set-up's rounds). Memory the ranks cannot share
+     * (several hosts) turns the feature off; a peer gone during the set-up fails the
+     * buffer, as it would have failed its first operation: a vote tells the two apart. */
+    epx_status_t status = epx__bootstrap_barrier(buffer->group->bootstrap);
+    if (status != EPX_SUCCESS)
+        return status;
     EPX_WARN(EPX_SUBSYS_OPS,
              "buffer_create: auto_register needs the ranks' host shared memory (%s); it is "
              "off for this buffer and combines copy x into the buffer",
-             epx_last_error());
-    epx__clear_error();
+             why);
     cuda->autoreg.on = 0;
-    cuda->autoreg.shm = NULL;
+    return EPX_SUCCESS;
 }
 
 void epx__cuda_auto_release(epx__cuda_buffer_t *cuda)

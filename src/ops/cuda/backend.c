@@ -321,8 +321,14 @@ static epx_status_t cuda_buffer_create(epx_buffer_t buffer)
         return status;
     }
     buffer->impl = cuda;
-    if (cuda->autoreg.on)
-        epx__cuda_auto_create(buffer);
+    if (cuda->autoreg.on) {
+        status = epx__cuda_auto_create(buffer);
+        if (status != EPX_SUCCESS) {
+            buffer->impl = NULL;
+            release_buffer(cuda);
+            return status;
+        }
+    }
     if (cuda->ipc != NULL)
         EPX_INFO(EPX_SUBSYS_TRANSPORT,
                  "cuda buffer: device %d, %.1f MB shared per rank, %d peers mapped by CUDA IPC",

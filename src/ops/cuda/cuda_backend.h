@@ -148,9 +148,9 @@ epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *
  * Inputs mapped on demand (auto_register.c). Create: collective at the end of
  * buffer_create when auto_register is on (every rank alike): the host shared memory of
  * the exchange; where it cannot be made (ranks on several hosts), the feature is turned
- * off on every rank with a warning.
+ * off on every rank with a warning; a peer gone meanwhile fails it (the buffer with it).
  */
-void epx__cuda_auto_create(epx_buffer_t buffer);
+epx_status_t epx__cuda_auto_create(epx_buffer_t buffer);
 
 /* One rank's record of one combine, in its host shared memory (two, by the call's
  * parity: a rank writes call n + 1's while a slower peer may still read call n's, never

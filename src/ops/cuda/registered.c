@@ -15,7 +15,10 @@ _Static_assert(EPX_CUDA_MAX_REGISTERED == EPX_MAX_REGISTERED,
                "the device table holds every registered range");
 
 /* This rank's device table row `row`: the mapped ranges, or NULLs. Callers make sure
- * no kernel reads the row while it changes (the device idle, or the row unused). */
+ * no kernel reads the row while it changes (the device idle, or the row unused). The
+ * write has landed on return: a copy from pageable memory may return before its DMA
+ * ends, and a later write of the same row on a non-blocking stream (a combine mapping
+ * x on demand) is not ordered after it. */
 epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers)
 {
     char *table[EPX_CUDA_MAX_RANKS];
@@ -25,6 +28,7 @@ epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *
     EPX_CUDA_CHECK(cudaMemcpy(cuda->local->registered[row], table, sizeof(table),
                               cudaMemcpyHostToDevice),
                    "writing the device table of ranges read in place");
+    EPX_CUDA_CHECK(cudaDeviceSynchronize(), "writing the device table of ranges read in place");
     return EPX_SUCCESS;
 }
 
