@@ -47,6 +47,17 @@ foreach(ranks 1 2 4)
                        LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
 endforeach()
 
+# epx.deep_ep on a group spanning nodes (2 virtual nodes of 2 ranks, CPU backend): the
+# internode handle, num_tokens_per_rdma_rank, combine summed per node, bias and dispatch
+# without top-k across nodes; low-latency mode across the virtual nodes too.
+add_test(NAME python.multirank.n4.nodes2x2
+         COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n 4 -- -q
+                 ${EPX_PY_TESTS}/test_deep_ep.py
+         WORKING_DIRECTORY ${EPX_PY_ROOT})
+set_tests_properties(python.multirank.n4.nodes2x2 PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
+                     LABELS "python;multirank"
+                     ENVIRONMENT "${EPX_PY_ENV};EPX_RANKS_PER_NODE=2")
+
 # JAX arrays through DLPack (CPU backend); scripts/setup installs jax[cpu]. JAX is
 # optional for the package, so without it these skip as optional (a failure in CI).
 foreach(ranks 1 2)

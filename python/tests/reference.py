@@ -13,8 +13,10 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 class Case:
     def __init__(self, world, num_tokens=24, hidden=256, num_experts=8, num_topk=3, seed=1,
-                 dtype="bf16", drop=0.15, empty_rank=-1, alignment=1):
+                 dtype="bf16", drop=0.15, empty_rank=-1, alignment=1, ranks_per_node=0):
         self.world = world
+        # Combine sums per node first when the group spans nodes (docs/INTERNODE.md).
+        self.ranks_per_node = ranks_per_node if 0 < ranks_per_node < world else world
         self.num_tokens = num_tokens
         self.hidden = hidden
         self.num_experts = num_experts
@@ -108,15 +110,25 @@ class Case:
 
     def combine(self, rank, x_of, weights_too=True):
         """combined_x (bf16) and combined weights (fp32) for `rank`'s own tokens, summed in
-        fp32 in rank order as the host backend does."""
+        fp32 in rank order as the host backend does; across nodes in rank order inside
+        each node, each node's sum rounded to bf16 (weights: not rounded), then in node
+        order (docs/INTERNODE.md, "Combine: summation order")."""
         x, _, idx, w = self.inputs(rank)
         n = idx.shape[0]
         acc = np.zeros((n, self.hidden), dtype=np.float32)
         acc_w = np.zeros((n, self.num_topk), dtype=np.float32)
-        for r in range(self.world):
-            here = (idx >= 0) & (idx // self.experts_per_rank == r)
-            sent = here.any(axis=1)
-            rows = self.combine_input(r, [(rank, t) for t in range(n) if sent[t]], x_of)
-            acc[sent] += rows.astype(np.float32)
-            acc_w[sent] += np.where(here, w, np.float32(0))[sent] * np.float32(r + 1)
+        per_node = self.ranks_per_node
+        for node in range(self.world // per_node):
+            part = np.zeros((n, self.hidden), dtype=np.float32)
+            part_w = np.zeros((n, self.num_topk), dtype=np.float32)
+            for r in range(node * per_node, (node + 1) * per_node):
+                here = (idx >= 0) & (idx // self.experts_per_rank == r)
+                sent = here.any(axis=1)
+                rows = self.combine_input(r, [(rank, t) for t in range(n) if sent[t]], x_of)
+                part[sent] += rows.astype(np.float32)
+                part_w[sent] += np.where(here, w, np.float32(0))[sent] * np.float32(r + 1)
+            if per_node < self.world:
+                part = part.astype(BF16).astype(np.float32)
+            acc += part
+            acc_w += part_w
         return acc.astype(BF16), acc_w

@@ -40,11 +40,26 @@ def assert_bf16_equal(got, want, backend):
         np.testing.assert_allclose(got32, want32, rtol=1e-2, atol=1e-2)
 
 
+def spans_nodes(group):
+    return 0 < group.ranks_per_node < group.world_size
+
+
+def make_case(group, **kwargs):
+    """The model of `group`: across nodes, combine sums per node first."""
+    return Case(group.world_size, ranks_per_node=group.ranks_per_node, **kwargs)
+
+
 def layout_of(buffer, tensors, case, rank):
     _, _, idx, _ = case.inputs(rank)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         tensors.put(idx), case.num_experts)
-    assert per_rdma is None
+    if case.ranks_per_node == case.world:
+        assert per_rdma is None
+    else:
+        # DeepEP's num_tokens_per_rdma_rank: tokens sent to each node, once per node.
+        in_node = case.layout(rank)[2].reshape(idx.shape[0], -1, case.ranks_per_node)
+        np.testing.assert_array_equal(tensors.get(per_rdma), in_node.any(axis=2).sum(axis=0))
+        assert tensors.get(per_rdma).dtype == np.int32
     return per_rank, per_expert, in_rank
 
 
@@ -68,10 +83,22 @@ def check_recv(tensors, case, rank, recv_x, recv_idx, recv_weights, counts, hand
         np.testing.assert_array_equal(tensors.get(recv_idx), want["recv_idx"])
         np.testing.assert_array_equal(tensors.get(recv_weights), want["recv_weights"])
     assert counts == want["counts"]
-    assert isinstance(handle, tuple) and len(handle) == 6
-    np.testing.assert_array_equal(tensors.get(handle[0]), rank_prefix(case))
-    assert tensors.get(handle[0]).dtype == np.int32
+    check_handle(tensors, case, rank, handle)
     return want
+
+
+def check_handle(tensors, case, rank, handle):
+    """DeepEP's handle tuple: intranode, rank_prefix_matrix first; internode,
+    recv_gbl_rank_prefix_sum fourth from the end (what DeepEP's tests read)."""
+    assert isinstance(handle, tuple)
+    if case.ranks_per_node == case.world:
+        assert len(handle) == 6
+        prefix, want = handle[0], rank_prefix(case)
+    else:
+        assert len(handle) == 10 and isinstance(handle, deep_ep.InternodeDispatchHandle)
+        prefix, want = handle[-4], rank_prefix(case)[:, rank]
+    np.testing.assert_array_equal(tensors.get(prefix), want)
+    assert tensors.get(prefix).dtype == np.int32
 
 
 # ---------------------------------------------------------------- surface
@@ -109,7 +136,7 @@ def test_statics_and_config():
     # The hint holds NVL_HINT_TOKENS_PER_RANK tokens of the standard shape.
     hint = config.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert hint > 4096 * 8 * 7168 * 4
-    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == hint
     # DeepEP's standard low-latency shape: about 1.9 GB per rank for bf16 rows.
     ll = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
     assert 1.8e9 < ll < 2.0e9
@@ -121,8 +148,6 @@ def test_statics_and_config():
 def test_not_implemented_names_the_feature(group):
     buffer = make_buffer(group, low_latency_mode=True, num_rdma_bytes=1)
     for call, name in ((buffer.get_comm_stream, "get_comm_stream"),
-                       (buffer.internode_dispatch, "internode_dispatch"),
-                       (buffer.internode_combine, "internode_combine"),
                        (buffer.low_latency_clean_mask_buffer, "low_latency_clean_mask_buffer")):
         with pytest.raises(NotImplementedError, match=name):
             call()
@@ -150,7 +175,7 @@ def test_destroy_needs_explicitly_destroy(group):
 
 
 def test_layout_before_and_after_the_first_dispatch(group, tensors):
-    case = Case(group.world_size, seed=3)
+    case = make_case(group, seed=3)
     buffer = make_buffer(group)
     want_rank, want_expert, want_in_rank = case.layout(group.rank)
     x, _, idx, w = case.inputs(group.rank)
@@ -175,7 +200,7 @@ def test_layout_before_and_after_the_first_dispatch(group, tensors):
 def test_dispatch_combine(group, tensors, dtype, with_topk):
     """DeepEP's test_intranode flow: layout, dispatch (with or without top-k), cached
     dispatch, combine; outputs owned by the caller."""
-    case = Case(group.world_size, seed=5, dtype=dtype)
+    case = make_case(group, seed=5, dtype=dtype)
     buffer = make_buffer(group)
     x, scales, idx, w = case.inputs(group.rank)
     per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
@@ -192,7 +217,10 @@ def test_dispatch_combine(group, tensors, dtype, with_topk):
     assert (recv_idx is None) == (not with_topk)
     want = check_recv(tensors, case, group.rank, recv_x, recv_idx, recv_w, counts, handle,
                       fp8=dtype == "fp8")
-    assert handle[4] is in_rank and handle[1] is None
+    if spans_nodes(group):
+        assert handle[0] is in_rank and handle[1] is None
+    else:
+        assert handle[4] is in_rank and handle[1] is None
     recv_x_only = recv_x[0] if dtype == "fp8" else recv_x
     kept = np.array(tensors.get(recv_x_only), copy=True)
 
@@ -226,7 +254,7 @@ def test_dispatch_combine(group, tensors, dtype, with_topk):
 def test_worst_case_dispatch(group, tensors):
     """num_worst_tokens: that many rows, the received prefix equal to a host-sync
     dispatch's, top-k ids -1 past it, an empty count list."""
-    case = Case(group.world_size, seed=7)
+    case = make_case(group, seed=7)
     buffer = make_buffer(group)
     x, _, idx, w = case.inputs(group.rank)
     per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
@@ -245,7 +273,7 @@ def test_worst_case_dispatch(group, tensors):
     np.testing.assert_array_equal(tensors.get(w_idx)[:n], tensors.get(recv_idx))
     np.testing.assert_array_equal(tensors.get(w_w)[:n], tensors.get(recv_w))
     assert (tensors.get(w_idx)[n:] == -1).all()
-    np.testing.assert_array_equal(tensors.get(w_handle[0]), rank_prefix(case))
+    check_handle(tensors, case, group.rank, w_handle)
     # Combine takes the worst-case rows (the padding is not read).
     combined, _, _ = buffer.combine(w_x, w_handle)
     plain, _, _ = buffer.combine(recv_x, handle)
@@ -255,7 +283,7 @@ def test_worst_case_dispatch(group, tensors):
 
 
 def test_combine_bias(group, tensors):
-    case = Case(group.world_size, seed=9)
+    case = make_case(group, seed=9)
     buffer = make_buffer(group)
     x, _, idx, w = case.inputs(group.rank)
     per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
@@ -266,14 +294,49 @@ def test_combine_bias(group, tensors):
     bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16) for _ in range(2)]
     one, _, _ = buffer.combine(recv_x, handle, bias=tensors.put(bias[0]))
     two, _, _ = buffer.combine(recv_x, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
-    # Every rank that received token t sends back x[t]: the sum starts from the biases
-    # (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
-    copies = tensors.get(in_rank).sum(axis=1)
+    # Every rank that received token t sends back x[t]. On one node the sum starts from
+    # the biases (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
+    # Across nodes the rows are summed per node (each node's sum rounded to bf16), then
+    # in node order, rounded, and the biases are added to that (rounded again).
+    in_rank_host = tensors.get(in_rank)
     for got, parts in ((one, bias[:1]), (two, bias)):
-        acc = sum(b.astype(np.float32) for b in parts)
-        for c in range(group.world_size):
-            acc[copies > c] += x[copies > c].astype(np.float32)
-        assert_bf16_equal(tensors.get(got), acc.astype(BF16), group.backend)
+        bias_sum = sum(b.astype(np.float32) for b in parts)
+        if not spans_nodes(group):
+            acc = bias_sum.copy()
+            copies = in_rank_host.sum(axis=1)
+            for c in range(group.world_size):
+                acc[copies > c] += x[copies > c].astype(np.float32)
+            want = acc.astype(BF16)
+        else:
+            per_node = group.ranks_per_node
+            rows = np.zeros((case.num_tokens, case.hidden), dtype=np.float32)
+            for node in range(group.world_size // per_node):
+                copies = in_rank_host[:, node * per_node:(node + 1) * per_node].sum(axis=1)
+                part = np.zeros_like(rows)
+                for c in range(per_node):
+                    part[copies > c] += x[copies > c].astype(np.float32)
+                rows += part.astype(BF16).astype(np.float32)
+            want = (rows.astype(BF16).astype(np.float32) + bias_sum).astype(BF16)
+        assert_bf16_equal(tensors.get(got), want, group.backend)
+    buffer.destroy()
+
+
+def test_internode_names(group, tensors):
+    """internode_dispatch and internode_combine (which DeepEP's dispatch and combine call
+    across nodes) are dispatch and combine, on one node as across nodes."""
+    case = make_case(group, seed=13)
+    buffer = make_buffer(group)
+    x, _, idx, w = case.inputs(group.rank)
+    per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.internode_dispatch(
+        tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx),
+        topk_weights=tensors.put(w))
+    want = check_recv(tensors, case, group.rank, recv_x, recv_idx, recv_w, counts, handle)
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    combined, _, _ = buffer.internode_combine(tensors.put(rows), handle)
+    want_x, _ = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    assert_bf16_equal(tensors.get(combined), want_x, group.backend)
     buffer.destroy()
 
 
@@ -282,7 +345,7 @@ def test_new_shape_makes_a_new_buffer(group, tensors):
     buffer = make_buffer(group)
     handles = []
     for hidden in (256, 512):
-        case = Case(group.world_size, seed=11, hidden=hidden)
+        case = make_case(group, seed=11, hidden=hidden)
         x, _, idx, w = case.inputs(group.rank)
         per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
@@ -298,7 +361,7 @@ def test_new_shape_makes_a_new_buffer(group, tensors):
 
 def test_capacity_follows_num_nvl_bytes(group):
     """The epx buffer holds as many tokens per rank as fit in num_nvl_bytes."""
-    case = Case(group.world_size)
+    case = make_case(group)
     def size(tokens):
         return epx.Buffer.buffer_size(group, tokens, case.hidden, case.num_experts,
                                       case.num_topk)
@@ -313,7 +376,7 @@ def test_capacity_follows_num_nvl_bytes(group):
 
 
 def test_without_num_nvl_bytes(group):
-    case = Case(group.world_size)
+    case = make_case(group)
     x, _, idx, w = case.inputs(group.rank)
     buffer = make_buffer(group, num_nvl_bytes=0)
     with pytest.raises(epx.EpxError, match="num_nvl_bytes"):

@@ -15,10 +15,11 @@ docs/PYTHON.md ("DeepEP drop-in") lists the differences from DeepEP.
 """
 
 from ..events import EventOverlap
-from .buffer import Buffer, DispatchHandle
+from .buffer import Buffer, DispatchHandle, InternodeDispatchHandle
 from .config import Config
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "InternodeDispatchHandle",
+           "topk_idx_t"]
 
 
 def __getattr__(name):

@@ -47,6 +47,27 @@ class DispatchHandle(tuple):
         return self
 
 
+class InternodeDispatchHandle(tuple):
+    """DeepEP's internode handle (a group spanning nodes): (is_token_in_rank,
+    rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+    recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum,
+    recv_src_meta, send_rdma_head, send_nvl_head).
+
+    is_token_in_rank is the tensor given to dispatch (None when it was not given);
+    recv_gbl_rank_prefix_sum (handle[-4], what DeepEP's test_internode reads) is an int32
+    [num_ranks] tensor on the device of the dispatch: [s] = tokens this rank received from
+    ranks 0..s (received rows come in source rank order). epx has no channels, no
+    per-node forwarding state and keeps the rows' sources inside the library: the other
+    eight are None. The routing is the epx.Handle in `.epx_handle`, as in DispatchHandle.
+    """
+
+    def __new__(cls, epx_handle, recv_gbl_rank_prefix_sum, is_token_in_rank):
+        self = super().__new__(cls, (is_token_in_rank, None, None, None, None, None,
+                                     recv_gbl_rank_prefix_sum, None, None, None))
+        self.epx_handle = epx_handle
+        return self
+
+
 def _group_of(group, comm):
     """(epx.Group, whether this Buffer made it) for DeepEP's group / comm arguments."""
     if isinstance(group, Group):
@@ -178,33 +199,56 @@ class Buffer(LowLatencyMethods):
         raise NotImplementedError("deep_ep.Buffer.get_local_buffer_tensor: epx does not expose "
                                   "its raw buffer memory")
 
-    def internode_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("deep_ep.Buffer.internode_dispatch: epx's normal mode is "
-                                  "intranode only (every rank in one CUDA IPC domain)")
+    def internode_dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                           num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                           num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                           expert_alignment=1, num_worst_tokens=0, config=None,
+                           previous_event=None, async_finish=False,
+                           allocate_on_comm_stream=False):
+        """DeepEP's internode dispatch, which its dispatch calls for a group spanning
+        nodes: dispatch itself (epx takes the internode path by the group)."""
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, num_worst_tokens, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
 
-    def internode_combine(self, *args, **kwargs):
-        raise NotImplementedError("deep_ep.Buffer.internode_combine: epx's normal mode is "
-                                  "intranode only (every rank in one CUDA IPC domain)")
+    def internode_combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                          previous_event=None, async_finish=False,
+                          allocate_on_comm_stream=False):
+        """DeepEP's internode combine: combine itself."""
+        return self.combine(x, handle, topk_weights, bias, config, previous_event,
+                            async_finish, allocate_on_comm_stream)
 
     # ------------------------------------------------------------ the normal-mode buffer
 
-    def _tokens_for(self, hidden, num_experts, num_topk):
-        """The most tokens per rank whose epx buffer fits in num_nvl_bytes."""
+    def _spans_nodes(self):
         group = self._group()
+        return 0 < group.ranks_per_node < group.world_size
+
+    def _normal_budget(self):
+        """Bytes the normal-mode epx buffer may take: num_nvl_bytes, plus num_rdma_bytes
+        for a group spanning nodes (DeepEP's internode mode uses both)."""
+        return self.num_nvl_bytes + (self.num_rdma_bytes if self._spans_nodes() else 0)
+
+    def _tokens_for(self, hidden, num_experts, num_topk):
+        """The most tokens per rank whose epx buffer fits in the normal-mode budget."""
+        group = self._group()
+        budget = self._normal_budget()
+        what = "num_nvl_bytes + num_rdma_bytes" if self._spans_nodes() else "num_nvl_bytes"
 
         def size(tokens):
             return _EpxBuffer.buffer_size(group, tokens, hidden, num_experts, num_topk)
 
-        if size(1) > self.num_nvl_bytes:
+        if size(1) > budget:
             raise EpxError(Status.ERR_CAPACITY,
-                           "deep_ep.Buffer: num_nvl_bytes %d is too small for one token per "
-                           "rank of hidden %d (epx needs %d bytes); "
-                           "Config.get_nvl_buffer_size_hint gives a size"
-                           % (self.num_nvl_bytes, hidden, size(1)))
+                           "deep_ep.Buffer: %s = %d is too small for one token per rank of "
+                           "hidden %d (epx needs %d bytes); Config.get_nvl_buffer_size_hint "
+                           "(and get_rdma_buffer_size_hint across nodes) gives a size"
+                           % (what, budget, hidden, size(1)))
         low, high = 1, _MAX_TOKENS_PER_RANK // max(self.group_size, 1)
         while low < high:
             middle = (low + high + 1) // 2
-            if size(middle) <= self.num_nvl_bytes:
+            if size(middle) <= budget:
                 low = middle
             else:
                 high = middle - 1
@@ -213,10 +257,6 @@ class Buffer(LowLatencyMethods):
     def _normal_buffer(self, hidden, num_experts, num_topk, config):
         """The epx buffer for this shape (num_topk None: any), made on first need."""
         group = self._group()
-        if group.ranks_per_node < group.world_size:
-            raise NotImplementedError("deep_ep.Buffer: internode normal mode (the group spans "
-                                      "%d nodes); epx's normal mode is intranode only"
-                                      % (group.world_size // group.ranks_per_node))
         current = self._normal_shape
         if current is not None and current[:2] == (hidden, num_experts) and \
                 num_topk in (None, current[2]):
@@ -242,20 +282,28 @@ class Buffer(LowLatencyMethods):
 
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
                             async_finish=False, allocate_on_comm_stream=False):
-        """(num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank, event), as
-        DeepEP's (local). Before the first dispatch of this shape there is no epx buffer
-        to run it on; it is then computed with the framework's own operations."""
+        """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
+        is_token_in_rank, event), as DeepEP's (local). num_tokens_per_rdma_rank is None on
+        one node; for a group spanning nodes an int32 [num_nodes] tensor, the tokens sent
+        to each node (a token counts once per node). Before the first dispatch of this
+        shape there is no epx buffer to run it on; it is then computed with the
+        framework's own operations."""
         num_topk = int(topk_idx.shape[1])
         self._layout_shape = (int(num_experts), num_topk)
         current = self._normal_shape
         if current is not None and current[1:] == self._layout_shape:
-            return self._normal.get_dispatch_layout(topk_idx, num_experts, previous_event,
-                                                    async_finish)
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-        per_rank, per_expert, in_rank = _ops.layout(topk_idx, int(num_experts),
-                                                    self.group_size)
-        return per_rank, None, per_expert, in_rank, self._event(topk_idx, async_finish)
+            per_rank, _, per_expert, in_rank, event = self._normal.get_dispatch_layout(
+                topk_idx, num_experts, previous_event, async_finish)
+        else:
+            if previous_event is not None:
+                previous_event.current_stream_wait()
+            per_rank, per_expert, in_rank = _ops.layout(topk_idx, int(num_experts),
+                                                        self.group_size)
+            event = self._event(topk_idx, async_finish)
+        per_node = None
+        if self._spans_nodes():
+            per_node = _ops.tokens_per_node(in_rank, self._group().ranks_per_node)
+        return per_rank, per_node, per_expert, in_rank, event
 
     @staticmethod
     def _event(tensor, async_finish):
@@ -272,7 +320,8 @@ class Buffer(LowLatencyMethods):
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None,
                  topk_weights=None, expert_alignment=1, num_worst_tokens=0, config=None,
                  previous_event=None, async_finish=False, allocate_on_comm_stream=False):
-        """DeepEP's intranode dispatch (collective): tokens to the ranks of their experts.
+        """DeepEP's dispatch (collective): tokens to the ranks of their experts, on one
+        node or, for a group spanning nodes, through epx's internode path.
 
         Fresh mode routes by topk_idx when given, else by is_token_in_rank with the
         per-expert counts of num_tokens_per_expert. Returns (recv_x or (recv_x,
@@ -280,7 +329,8 @@ class Buffer(LowLatencyMethods):
         handle, event) of tensors the caller owns; cached mode (handle=) returns (recv_x,
         None, None, None, None, event). num_worst_tokens > 0: outputs of that many rows,
         recv_topk_idx -1 past the received rows, an empty list, no host synchronisation on
-        the GPU.
+        the GPU. The handle is a DispatchHandle on one node, an InternodeDispatchHandle
+        across nodes.
         """
         x_main, x_scales = x if isinstance(x, tuple) else (x, None)
         if handle is not None:
@@ -303,10 +353,50 @@ class Buffer(LowLatencyMethods):
                                    "(from get_dispatch_layout)")
         num_topk = int(topk_idx.shape[1]) if topk_idx is not None else None
         buffer = self._normal_buffer(hidden, num_experts, num_topk, config)
+        worst = int(num_worst_tokens or 0)
+        if topk_idx is None and self._spans_nodes() and is_token_in_rank is not None and \
+                num_tokens_per_expert is not None:
+            return self._dispatch_by_ranks(buffer, x_main, x_scales, is_token_in_rank,
+                                           num_tokens_per_expert, expert_alignment, worst,
+                                           previous_event, async_finish)
         return self._dispatch_fresh(buffer, x_main, x_scales, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights,
-                                    expert_alignment, int(num_worst_tokens or 0),
-                                    previous_event, async_finish)
+                                    expert_alignment, worst, previous_event, async_finish)
+
+    def _dispatch_by_ranks(self, buffer, x, x_scales, is_token_in_rank, num_tokens_per_expert,
+                           expert_alignment, num_worst_tokens, previous_event, async_finish):
+        """DeepEP's dispatch without top-k across nodes, where epx routes by topk_idx only:
+        each token goes to its ranks through a top-k row naming one expert of each (in rank
+        order; the rows received are the same), and the per-expert counts are summed from
+        every rank's num_tokens_per_expert over the group's rendezvous (a host copy of
+        that tensor, as DeepEP's dispatch waits on the host for its counts)."""
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+            previous_event = None
+        topk_idx, most = _ops.topk_from_ranks(
+            is_token_in_rank, buffer.num_experts // self.group_size, buffer.num_topk)
+        if most > buffer.num_topk:
+            problem = NotImplementedError(
+                "deep_ep.Buffer.dispatch: without top-k across nodes a token goes to %d ranks, "
+                "more than the buffer's num_topk %d (from get_dispatch_layout's topk_idx); "
+                "pass topk_idx" % (most, buffer.num_topk))
+            buffer.abort(str(problem))  # the peers are in the same dispatch
+            raise problem
+        recv_x, _, _, _, handle, event = self._dispatch_fresh(
+            buffer, x, x_scales, is_token_in_rank, None, topk_idx, None, expert_alignment,
+            num_worst_tokens, previous_event, async_finish)
+        counts = []
+        if num_worst_tokens <= 0:
+            mine = _ops.to_host_int32(num_tokens_per_expert)
+            parts = self._group().allgather(mine.tobytes())
+            local = buffer.num_experts // self.group_size
+            first = self.rank * local
+            align = max(int(expert_alignment or 1), 1)
+            for e in range(first, first + local):
+                total = sum(int.from_bytes(p[4 * e:4 * e + 4], "little", signed=True)
+                            for p in parts)
+                counts.append((total + align - 1) // align * align)
+        return recv_x, None, None, counts, handle, event
 
     def _dispatch_fresh(self, buffer, x, x_scales, is_token_in_rank, num_tokens_per_expert,
                         topk_idx, topk_weights, expert_alignment, num_worst_tokens,
@@ -372,8 +462,12 @@ class Buffer(LowLatencyMethods):
                           for i in range(result.num_local_experts)]
         epx_handle = _EpxHandle(buffer, result.handle, counts, call.framework, raw)
         buffer._handles.add(epx_handle)
-        handle = DispatchHandle(epx_handle, self._rank_prefix_matrix(buffer, epx_handle, call),
-                                is_token_in_rank)
+        matrix = self._rank_prefix_matrix(buffer, epx_handle, call)
+        if self._spans_nodes():
+            handle = InternodeDispatchHandle(
+                epx_handle, call.framework.copy(matrix[:, self.rank]), is_token_in_rank)
+        else:
+            handle = DispatchHandle(epx_handle, matrix, is_token_in_rank)
         recv_x, recv_scales, recv_idx, recv_weights = owned
         event = buffer._end(call, async_finish, (x, x_scales, topk_idx, topk_weights,
                                                  is_token_in_rank, num_tokens_per_expert,
@@ -409,8 +503,10 @@ class Buffer(LowLatencyMethods):
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        """DeepEP's intranode combine (collective): each received row back to its token's
-        rank, summed there (no weights), plus bias (a tensor or a pair, added in fp32).
+        """DeepEP's combine (collective): each received row back to its token's rank,
+        summed there (no weights), plus bias (a tensor or a pair, added in fp32); across
+        nodes the sum is taken per node first (docs/INTERNODE.md, "Combine: summation
+        order").
 
         Returns (combined_x, combined_topk_weights or None, event)."""
         epx_handle = self._epx_handle(handle, "combine")
@@ -421,8 +517,20 @@ class Buffer(LowLatencyMethods):
             x = x[:rows]
             if topk_weights is not None:
                 topk_weights = topk_weights[:rows]
-        return buffer.combine(x, epx_handle, topk_weights, bias, None, previous_event,
-                              async_finish)
+        biases = tuple(b for b in (bias if isinstance(bias, tuple) else (bias,))
+                       if b is not None)
+        if not biases or not self._spans_nodes():
+            return buffer.combine(x, epx_handle, topk_weights, bias, None, previous_event,
+                                  async_finish)
+        # epx's internode combine takes no bias: it is added to the result here, in fp32,
+        # and rounded to bf16 once more (DeepEP adds it before its one rounding).
+        if len(biases) > 2:
+            raise invalid_argument("combine: bias is a tuple of %d tensors; DeepEP's bias is "
+                                   "one tensor or two" % len(biases))
+        combined, combined_weights, _ = buffer.combine(x, epx_handle, topk_weights, None,
+                                                       None, previous_event, False)
+        combined = _ops.add_bias(combined, biases)
+        return combined, combined_weights, self._event(combined, async_finish)
 
     def __repr__(self):
         return ("deep_ep.Buffer(epx, rank=%d of %d, num_nvl_bytes=%d, num_rdma_bytes=%d, "
