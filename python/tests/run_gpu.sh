@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python tests and the MoE example on the CUDA backend (the GPU machine): build
 # libepx.so with CUDA, then run the single-process tests, the multi-rank tests (normal
-# and low-latency mode) on 1, 2 and 4 ranks and examples/moe_layer.py (torch, forward +
+# and low-latency mode) on 1, 2 and 4 ranks, epx.deep_ep's on 2 virtual nodes of 2 ranks,
+# and examples/moe_layer.py (torch, forward +
 # backward) on 2 and 4 ranks. scripts/gpu-check runs it (`test`, on its own build).
 # Several ranks share one GPU under CUDA MPS (epx launch --mps).
 #
@@ -110,6 +111,9 @@ for n in ${RANKS:-1 2 4}; do
         "$tests/test_buffer.py" "$tests/test_bad_input.py" "$tests/test_group.py" \
         "$tests/test_low_latency.py" "$tests/test_deep_ep.py" || status=1
 done
+echo "== epx.deep_ep across 2 virtual nodes of 2 ranks, CUDA backend (internode kernels)"
+EPX_RANKS_PER_NODE=2 "$build/epx" launch --mps -n 4 -- "$py" -m pytest -p no:cacheprovider -q \
+    "$tests/test_deep_ep.py" || status=1
 for n in ${EXAMPLE_RANKS:-2 4}; do
     echo "== examples/moe_layer.py, $n ranks, torch on the CUDA backend"
     EPX_BACKEND=cuda "$build/epx" launch --mps -n "$n" -- "$py" "$root/examples/moe_layer.py" \
