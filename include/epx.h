@@ -470,9 +470,8 @@ epx_status_t epx_buffer_deregister(epx_buffer_t buffer, void *ptr);
  * (fp32 accumulation in rank order, after the biases if given; bf16 out); tokens sent
  * nowhere get zeros (plus their biases). When the group spans nodes (ranks_per_node
  * below the world size) the rows are summed inside each node first, each node's sum is
- * rounded to bf16, and those are summed in node order (docs/INTERNODE.md);
- * out_topk_weights likewise, without the rounding. Biases are refused across nodes
- * (EPX_ERR_UNSUPPORTED).
+ * rounded to bf16, and those are summed in node order after the biases
+ * (docs/INTERNODE.md); out_topk_weights likewise, without the rounding.
  */
 epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, void *stream);
 

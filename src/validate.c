@@ -372,12 +372,6 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
     for (int j = 0; j < 2; j++) {
         if (!epx__tensor_given(&args->bias[j]))
             continue;
-        if (buffer->group->ranks_per_node < buffer->group->world_size)
-            return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                             "%s: %s is not supported across nodes (the group spans %d nodes); "
-                             "add the bias to the result",
-                             op, bias_names[j],
-                             buffer->group->world_size / buffer->group->ranks_per_node);
         EPX_CHECK(epx__check_tensor(op, bias_names[j], &args->bias[j], EPX_DTYPE_BF16, 2,
                                     handle->num_tokens, config->hidden));
     }

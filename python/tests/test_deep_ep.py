@@ -296,8 +296,8 @@ def test_combine_bias(group, tensors):
     two, _, _ = buffer.combine(recv_x, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
     # Every rank that received token t sends back x[t]. On one node the sum starts from
     # the biases (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
-    # Across nodes the rows are summed per node (each node's sum rounded to bf16), then
-    # in node order, rounded, and the biases are added to that (rounded again).
+    # Across nodes the rows are summed per node (each node's sum rounded to bf16), and
+    # those are added after the biases in node order, rounded once more at the end.
     in_rank_host = tensors.get(in_rank)
     for got, parts in ((one, bias[:1]), (two, bias)):
         bias_sum = sum(b.astype(np.float32) for b in parts)
@@ -309,14 +309,14 @@ def test_combine_bias(group, tensors):
             want = acc.astype(BF16)
         else:
             per_node = group.ranks_per_node
-            rows = np.zeros((case.num_tokens, case.hidden), dtype=np.float32)
+            acc = bias_sum.copy()
             for node in range(group.world_size // per_node):
                 copies = in_rank_host[:, node * per_node:(node + 1) * per_node].sum(axis=1)
-                part = np.zeros_like(rows)
+                part = np.zeros_like(acc)
                 for c in range(per_node):
                     part[copies > c] += x[copies > c].astype(np.float32)
-                rows += part.astype(BF16).astype(np.float32)
-            want = (rows.astype(BF16).astype(np.float32) + bias_sum).astype(BF16)
+                acc += part.astype(BF16).astype(np.float32)
+            want = acc.astype(BF16)
         assert_bf16_equal(tensors.get(got), want, group.backend)
     buffer.destroy()
 

@@ -1,8 +1,8 @@
 """The few tensor operations epx.deep_ep does itself, for NumPy arrays and torch tensors.
 
 All are small next to a dispatch: the layout of a group that has no normal-mode buffer
-yet, the tokens per node and combine's bias for a group spanning nodes, and the top-k
-padding of a worst-case dispatch. docs/PYTHON.md ("DeepEP drop-in")
+yet, the tokens per node and the routing of a dispatch without top-k for a group
+spanning nodes, and the top-k padding of a worst-case dispatch. docs/PYTHON.md ("DeepEP drop-in")
 lists them as known costs. Other frameworks raise NotImplementedError naming the
 operation.
 """
@@ -100,22 +100,6 @@ def to_host_int32(tensor):
     if _kind(tensor, "dispatch without top-k across nodes") == "torch":
         return tensor.detach().to("cpu").numpy().astype(np.int32)
     return np.asarray(tensor).astype(np.int32)
-
-
-def add_bias(combined, biases):
-    """bf16(float(combined) + float(bias_0) + float(bias_1)): the bias of a combine across
-    nodes, whose result epx has already rounded to bf16."""
-    if _kind(combined, "combine's bias across nodes") == "torch":
-        torch = importlib.import_module("torch")
-        total = combined.float()
-        for bias in biases:
-            total += bias.float()
-        return total.to(torch.bfloat16)
-    np = importlib.import_module("numpy")
-    total = np.asarray(combined).astype(np.float32)
-    for bias in biases:
-        total += np.asarray(bias).astype(np.float32)
-    return total.astype(np.asarray(combined).dtype)
 
 
 def take_rows(view, rows, framework):

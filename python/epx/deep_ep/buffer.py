@@ -517,20 +517,8 @@ class Buffer(LowLatencyMethods):
             x = x[:rows]
             if topk_weights is not None:
                 topk_weights = topk_weights[:rows]
-        biases = tuple(b for b in (bias if isinstance(bias, tuple) else (bias,))
-                       if b is not None)
-        if not biases or not self._spans_nodes():
-            return buffer.combine(x, epx_handle, topk_weights, bias, None, previous_event,
-                                  async_finish)
-        # epx's internode combine takes no bias: it is added to the result here, in fp32,
-        # and rounded to bf16 once more (DeepEP adds it before its one rounding).
-        if len(biases) > 2:
-            raise invalid_argument("combine: bias is a tuple of %d tensors; DeepEP's bias is "
-                                   "one tensor or two" % len(biases))
-        combined, combined_weights, _ = buffer.combine(x, epx_handle, topk_weights, None,
-                                                       None, previous_event, False)
-        combined = _ops.add_bias(combined, biases)
-        return combined, combined_weights, self._event(combined, async_finish)
+        return buffer.combine(x, epx_handle, topk_weights, bias, None, previous_event,
+                              async_finish)
 
     def __repr__(self):
         return ("deep_ep.Buffer(epx, rank=%d of %d, num_nvl_bytes=%d, num_rdma_bytes=%d, "

@@ -111,17 +111,18 @@ static void epx__combine_reduce(epx__host_buffer_t *host, const epx_combine_args
     for (int64_t t = 0; t < handle->num_tokens; t++) {
         memset(total, 0, (size_t)hidden * sizeof(float));
         memset(weight_total, 0, (size_t)num_topk * sizeof(float));
-        if (has_bias) {
-            /* One node (validated): DeepEP's order, the biases first, then the rows in
-             * rank order, one rounding. */
-            for (int j = 0; j < 2; j++) {
-                if (!epx__tensor_given(&args->bias[j]))
-                    continue;
-                const uint16_t *bias = (const uint16_t *)args->bias[j].data +
-                                       t * epx__tensor_row_stride(&args->bias[j]);
-                for (int64_t i = 0; i < hidden; i++)
-                    total[i] += epx__bf16_to_float(bias[i]);
-            }
+        /* DeepEP's order: the biases first (bias_0 + bias_1, fp32). */
+        for (int j = 0; j < 2 && has_bias; j++) {
+            if (!epx__tensor_given(&args->bias[j]))
+                continue;
+            const uint16_t *bias = (const uint16_t *)args->bias[j].data +
+                                   t * epx__tensor_row_stride(&args->bias[j]);
+            for (int64_t i = 0; i < hidden; i++)
+                total[i] += epx__bf16_to_float(bias[i]);
+        }
+        if (has_bias && nodes == 1) {
+            /* One node with biases: then the rows in rank order, one rounding (the node's
+             * partial is not rounded on its own: nothing crosses a network). */
             for (int r = 0; r < handle->world_size; r++) {
                 int64_t row = handle->send_row[t * handle->world_size + r];
                 if (row < 0)

@@ -115,7 +115,8 @@ __device__ __forceinline__ void epx_xn_partial_write(const epx__cuda_shape_t &s,
 }
 
 /*
- * Own token j's result, in node order: the partial sums of the nodes before this one
+ * Own token j's result, in node order, after the caller's biases if any: the partial sums
+ * of the nodes before this one
  * (remote_row[0, before)), this node's partial (its n_local rows summed in rank order,
  * rounded to bf16 as if it had crossed the network), then the nodes after it
  * (remote_row[before, n_remote)); written to out_x row j (and out_weights).
@@ -132,7 +133,9 @@ __device__ __forceinline__ void epx_xn_reduce_token(const epx__cuda_shape_t &s,
     const int K = s.num_topk;
     char *out = static_cast<char *>(a.out_x) + j * a.out_stride;
     for (int64_t i0 = 0; i0 < units; i0 += 32 * EPX_XN_COMBINE_UNROLL) {
-        float total[EPX_XN_COMBINE_UNROLL][8] = {};
+        float total[EPX_XN_COMBINE_UNROLL][8];
+        /* 0, or the caller's biases (bias_0 + bias_1: DeepEP's order, biases first). */
+        epx_start_sums<EPX_XN_COMBINE_UNROLL>(total, a, j, 0, i0, units, epx_lane());
         epx_xn_accumulate(remote_row, before, i0, units, 1, total);
         if (n_local > 0) {
             float acc[EPX_XN_COMBINE_UNROLL][8] = {};
