@@ -357,9 +357,9 @@ typedef struct {
      * receivers' num_recv_tokens_per_expert are summed; both as epx_get_dispatch_layout
      * writes them. Give both or neither; never with topk_idx or a handle. Such a dispatch
      * has no recv_topk_idx or recv_topk_weights (topk_weights needs topk_idx). Its handle
-     * works for combine and cached mode like any other. Within one node only (across
-     * nodes: EPX_ERR_UNSUPPORTED). (Appended in epx 0.1: args of
-     * the older size, offsetof(epx_dispatch_args_t, is_token_in_rank), are accepted.)
+     * works for combine and cached mode like any other, on one node as across nodes.
+     * (Appended in epx 0.1: args of the older size, offsetof(epx_dispatch_args_t,
+     * is_token_in_rank), are accepted.)
      */
     epx_tensor_t is_token_in_rank;
     epx_tensor_t num_tokens_per_expert;

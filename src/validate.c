@@ -251,11 +251,6 @@ epx_status_t epx__validate_dispatch(epx_buffer_t buffer, const epx_dispatch_args
                          "%s: is_token_in_rank and num_tokens_per_expert route a fresh dispatch "
                          "without topk_idx; they cannot be given with %s",
                          op, args->handle != NULL ? "a handle (cached mode)" : "topk_idx");
-    if (by_layout && buffer->group->ranks_per_node < world)
-        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
-                         "%s: routing by is_token_in_rank (without topk_idx) is not supported "
-                         "across nodes (the group spans %d nodes); pass topk_idx",
-                         op, world / buffer->group->ranks_per_node);
     if (by_layout) {
         EPX_CHECK(epx__check_tensor(op, "is_token_in_rank", &args->is_token_in_rank,
                                     EPX_DTYPE_BOOL, 2, tokens, world));

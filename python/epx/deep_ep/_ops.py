@@ -1,8 +1,8 @@
 """The few tensor operations epx.deep_ep does itself, for NumPy arrays and torch tensors.
 
 All are small next to a dispatch: the layout of a group that has no normal-mode buffer
-yet, the tokens per node and the routing of a dispatch without top-k for a group
-spanning nodes, and the top-k padding of a worst-case dispatch. docs/PYTHON.md ("DeepEP drop-in")
+yet, the tokens per node of a group spanning nodes, and the top-k padding of a
+worst-case dispatch. docs/PYTHON.md ("DeepEP drop-in")
 lists them as known costs. Other frameworks raise NotImplementedError naming the
 operation.
 """
@@ -63,43 +63,6 @@ def tokens_per_node(is_token_in_rank, ranks_per_node):
     np = importlib.import_module("numpy")
     in_node = np.asarray(is_token_in_rank).reshape(tokens, nodes, ranks_per_node).any(axis=2)
     return in_node.sum(axis=0).astype(np.int32)
-
-
-def topk_from_ranks(is_token_in_rank, experts_per_rank, num_topk):
-    """(int64 [T, num_topk] top-k rows that send each token to the ranks of
-    is_token_in_rank [T, R]: the first expert of each, in rank order, then -1; the most
-    ranks a token goes to, which must not exceed num_topk)."""
-    tokens, ranks = int(is_token_in_rank.shape[0]), int(is_token_in_rank.shape[1])
-    width = min(num_topk, ranks)
-    if _kind(is_token_in_rank, "dispatch without top-k across nodes") == "torch":
-        torch = importlib.import_module("torch")
-        in_rank = is_token_in_rank.to(torch.bool)
-        count = in_rank.sum(dim=1, keepdim=True)
-        most = int(count.max().item()) if tokens > 0 else 0
-        # The ranks a token goes to first, in rank order (a stable sort of "not sent").
-        order = torch.sort((~in_rank).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        slots = torch.arange(width, device=in_rank.device).unsqueeze(0)
-        idx = torch.full((tokens, num_topk), -1, dtype=torch.int64, device=in_rank.device)
-        idx[:, :width] = torch.where(slots < count, order * experts_per_rank,
-                                     torch.full_like(order, -1))
-    else:
-        np = importlib.import_module("numpy")
-        in_rank = np.asarray(is_token_in_rank).astype(bool)
-        count = in_rank.sum(axis=1, keepdims=True)
-        most = int(count.max()) if tokens > 0 else 0
-        order = np.argsort(~in_rank, axis=1, kind="stable")[:, :width]
-        idx = np.full((tokens, num_topk), -1, dtype=np.int64)
-        idx[:, :width] = np.where(np.arange(width)[None, :] < count, order * experts_per_rank,
-                                  -1)
-    return idx, most
-
-
-def to_host_int32(tensor):
-    """A NumPy int32 copy of a (small) tensor, from the device if it is there."""
-    np = importlib.import_module("numpy")
-    if _kind(tensor, "dispatch without top-k across nodes") == "torch":
-        return tensor.detach().to("cpu").numpy().astype(np.int32)
-    return np.asarray(tensor).astype(np.int32)
 
 
 def take_rows(view, rows, framework):

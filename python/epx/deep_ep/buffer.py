@@ -353,50 +353,10 @@ class Buffer(LowLatencyMethods):
                                    "(from get_dispatch_layout)")
         num_topk = int(topk_idx.shape[1]) if topk_idx is not None else None
         buffer = self._normal_buffer(hidden, num_experts, num_topk, config)
-        worst = int(num_worst_tokens or 0)
-        if topk_idx is None and self._spans_nodes() and is_token_in_rank is not None and \
-                num_tokens_per_expert is not None:
-            return self._dispatch_by_ranks(buffer, x_main, x_scales, is_token_in_rank,
-                                           num_tokens_per_expert, expert_alignment, worst,
-                                           previous_event, async_finish)
         return self._dispatch_fresh(buffer, x_main, x_scales, is_token_in_rank,
                                     num_tokens_per_expert, topk_idx, topk_weights,
-                                    expert_alignment, worst, previous_event, async_finish)
-
-    def _dispatch_by_ranks(self, buffer, x, x_scales, is_token_in_rank, num_tokens_per_expert,
-                           expert_alignment, num_worst_tokens, previous_event, async_finish):
-        """DeepEP's dispatch without top-k across nodes, where epx routes by topk_idx only:
-        each token goes to its ranks through a top-k row naming one expert of each (in rank
-        order; the rows received are the same), and the per-expert counts are summed from
-        every rank's num_tokens_per_expert over the group's rendezvous (a host copy of
-        that tensor, as DeepEP's dispatch waits on the host for its counts)."""
-        if previous_event is not None:
-            previous_event.current_stream_wait()
-            previous_event = None
-        topk_idx, most = _ops.topk_from_ranks(
-            is_token_in_rank, buffer.num_experts // self.group_size, buffer.num_topk)
-        if most > buffer.num_topk:
-            problem = NotImplementedError(
-                "deep_ep.Buffer.dispatch: without top-k across nodes a token goes to %d ranks, "
-                "more than the buffer's num_topk %d (from get_dispatch_layout's topk_idx); "
-                "pass topk_idx" % (most, buffer.num_topk))
-            buffer.abort(str(problem))  # the peers are in the same dispatch
-            raise problem
-        recv_x, _, _, _, handle, event = self._dispatch_fresh(
-            buffer, x, x_scales, is_token_in_rank, None, topk_idx, None, expert_alignment,
-            num_worst_tokens, previous_event, async_finish)
-        counts = []
-        if num_worst_tokens <= 0:
-            mine = _ops.to_host_int32(num_tokens_per_expert)
-            parts = self._group().allgather(mine.tobytes())
-            local = buffer.num_experts // self.group_size
-            first = self.rank * local
-            align = max(int(expert_alignment or 1), 1)
-            for e in range(first, first + local):
-                total = sum(int.from_bytes(p[4 * e:4 * e + 4], "little", signed=True)
-                            for p in parts)
-                counts.append((total + align - 1) // align * align)
-        return recv_x, None, None, counts, handle, event
+                                    expert_alignment, int(num_worst_tokens or 0),
+                                    previous_event, async_finish)
 
     def _dispatch_fresh(self, buffer, x, x_scales, is_token_in_rank, num_tokens_per_expert,
                         topk_idx, topk_weights, expert_alignment, num_worst_tokens,

@@ -58,12 +58,19 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     for (int r = threadIdx.x; r < EPX_CUDA_MAX_RANKS; r += blockDim.x)
         running[r] = node_running[r] = 0;
     __syncthreads();
-    const int fresh = a.topk_idx != NULL;
+    /* Fresh: routed by topk_idx, or by the caller's is_token_in_rank (then the per-expert
+     * counts are the caller's num_tokens_per_expert). */
+    const int fresh = a.topk_idx != NULL || a.is_token_in_rank != NULL;
     if (fresh) {
         int bad = 0;
         epx_notify_scan(s, a, expert_counts, warp_totals, running, &bad);
         if (bad)
             any_bad = 1;
+        if (a.topk_idx == NULL) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < s.num_experts; i += blockDim.x)
+                expert_counts[i] = a.num_tokens_per_expert[i];
+        }
         /* Records: a token's ordinal among this rank's tokens to each other node. Each
          * thread reads back the send_row entries it wrote itself in the scan. */
         for (int64_t first = 0; first < a.num_tokens; first += blockDim.x) {
