@@ -44,7 +44,9 @@ typedef struct {
 
 #define EPX_PARAM_INFO_INIT {sizeof(epx_param_info_t), NULL, 0, 0, 0, NULL, NULL, NULL}
 
-/* Row `index` of the table: 0, 1, ... until EPX_ERR_INVALID_ARG (past the last row). */
+/* Rows of the table: epx_param_info takes 0 .. epx_param_count() - 1. */
+int epx_param_count(void);
+/* Row `index` of the table (EPX_ERR_INVALID_ARG past the last row). */
 epx_status_t epx_param_info(int index, epx_param_info_t *info);
 /* The row named `name` ("EPX_NUM_SMS"); EPX_ERR_INVALID_ARG when there is none. */
 epx_status_t epx_param_find(const char *name, epx_param_info_t *info);

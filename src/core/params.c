@@ -494,6 +494,11 @@ epx_status_t epx_params_load(void)
     return epx__params_load();
 }
 
+int epx_param_count(void)
+{
+    return EPX_PARAM_COUNT_;
+}
+
 epx_status_t epx_param_info(int index, epx_param_info_t *info)
 {
     epx__clear_error();

@@ -24,7 +24,7 @@ static void test_params(void)
     /* Every row, in table order, agrees with the library's own reading. */
     epx_param_info_t info = EPX_PARAM_INFO_INIT;
     int rows = 0;
-    while (epx_param_info(rows, &info) == EPX_SUCCESS) {
+    while (rows < epx_param_count() && epx_param_info(rows, &info) == EPX_SUCCESS) {
         CHECK(info.name != NULL && strncmp(info.name, "EPX_", 4) == 0);
         CHECK(info.doc != NULL && info.doc[0] != '\0');
         if (info.is_int)
@@ -34,6 +34,8 @@ static void test_params(void)
         rows++;
     }
     CHECK_EQ_INT(rows, EPX_PARAM_COUNT_);
+    /* Past the last row: refused, naming the index. */
+    CHECK_STATUS(epx_param_info(rows, &info), EPX_ERR_INVALID_ARG);
     CHECK_ERROR_MENTIONS("index");
 
     CHECK_OK(epx_param_find("EPX_NUM_SMS", &info));

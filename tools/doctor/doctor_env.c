@@ -25,7 +25,7 @@
 static int known_param(const char *name, size_t length)
 {
     epx_param_info_t info = EPX_PARAM_INFO_INIT;
-    for (int i = 0; epx_param_info(i, &info) == EPX_SUCCESS; i++) {
+    for (int i = 0; i < epx_param_count() && epx_param_info(i, &info) == EPX_SUCCESS; i++) {
         if (strlen(info.name) == length && strncmp(info.name, name, length) == 0)
             return 1;
     }
@@ -50,7 +50,7 @@ static void check_epx_params(epx__doctor_report_t *report)
                                    epx__tool_param_string("EPX_BACKEND"));
     int changed = 0;
     epx_param_info_t row = EPX_PARAM_INFO_INIT;
-    for (int i = 0; epx_param_info(i, &row) == EPX_SUCCESS; i++) {
+    for (int i = 0; i < epx_param_count() && epx_param_info(i, &row) == EPX_SUCCESS; i++) {
         char value[128];
         if (row.is_int) {
             if (row.int_value == row.int_default)
