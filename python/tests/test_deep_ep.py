@@ -136,7 +136,7 @@ def test_statics_and_config():
     # The hint holds NVL_HINT_TOKENS_PER_RANK tokens of the standard shape.
     hint = config.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert hint > 4096 * 8 * 7168 * 4
-    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == hint
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 2 * hint
     # DeepEP's standard low-latency shape: about 1.9 GB per rank for bf16 rows.
     ll = deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
     assert 1.8e9 < ll < 2.0e9
@@ -294,12 +294,18 @@ def test_combine_bias(group, tensors):
     bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16) for _ in range(2)]
     one, _, _ = buffer.combine(recv_x, handle, bias=tensors.put(bias[0]))
     two, _, _ = buffer.combine(recv_x, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
+    # Biases that cancel (+2^24, -2^24) tell the order apart: first, they leave the rows'
+    # sum exact; after the rows, the fp32 sum next to 2^24 would keep even integers only.
+    big = np.full((case.num_tokens, case.hidden), 2.0 ** 24, dtype=np.float32)
+    cancel = [big.astype(BF16), (-big).astype(BF16)]
+    three, _, _ = buffer.combine(recv_x, handle,
+                                 bias=(tensors.put(cancel[0]), tensors.put(cancel[1])))
     # Every rank that received token t sends back x[t]. On one node the sum starts from
     # the biases (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
     # Across nodes the rows are summed per node (each node's sum rounded to bf16), and
     # those are added after the biases in node order, rounded once more at the end.
     in_rank_host = tensors.get(in_rank)
-    for got, parts in ((one, bias[:1]), (two, bias)):
+    for got, parts in ((one, bias[:1]), (two, bias), (three, cancel)):
         bias_sum = sum(b.astype(np.float32) for b in parts)
         if not spans_nodes(group):
             acc = bias_sum.copy()

@@ -361,9 +361,11 @@ static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handl
  * rows of each node are summed first (rank order, from 0) and rounded to bf16, and
  * those are added after the biases in node order (docs/INTERNODE.md).
  */
-static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle)
+static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                               int cancelling)
 {
-    const char *step = "combine with two biases";
+    const char *step = cancelling ? "combine with two biases that cancel (+2^24, -2^24)"
+                                  : "combine with two biases";
     const moe_case_t *c = ctx->c;
     const moe_expected_t *e = ctx->e;
     int64_t hidden = c->hidden, n = ctx->in->num_tokens;
@@ -377,8 +379,13 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
     for (int64_t i = 0; i < e->num_recv; i++)
         moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
                         rows + i * hidden);
+    /* Cancelling biases tell the order apart: added first they leave exactly 0 for the
+     * rows; added after the rows, the fp32 sum next to 2^24 would keep only even
+     * integers of them. */
     for (int64_t i = 0; i < 2 * n * hidden; i++)
-        bias[i] = moe_float_to_bf16((float)((i * 7 + i / hidden * 31) % 17 - 8) * 0.25f);
+        bias[i] = cancelling ? moe_float_to_bf16(i < n * hidden ? 16777216.0f : -16777216.0f)
+                             : moe_float_to_bf16((float)((i * 7 + i / hidden * 31) % 17 - 8) *
+                                                 0.25f);
     for (int64_t t = 0; t < n; t++) {
         float *acc = calloc((size_t)hidden, sizeof(float));
         CHECK(acc != NULL);
@@ -677,7 +684,8 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
     combine_check(ctx, buffer, views, 1, "combine with weights");
     combine_check(ctx, buffer, views, 0, "combine without weights");
     combine_registered_check(ctx, buffer, views);
-    combine_bias_check(ctx, buffer, views);
+    combine_bias_check(ctx, buffer, views, 0);
+    combine_bias_check(ctx, buffer, views, 1);
     if (c->dtype == EPX_DTYPE_BF16)
         roundtrip_check(ctx, buffer, owned, exact.x);
     combine_view_check(ctx, buffer, views, max_tokens, 1, "combine through the input view");

@@ -227,7 +227,9 @@ class Buffer(LowLatencyMethods):
 
     def _normal_budget(self):
         """Bytes the normal-mode epx buffer may take: num_nvl_bytes, plus num_rdma_bytes
-        for a group spanning nodes (DeepEP's internode mode uses both)."""
+        for a group spanning nodes (DeepEP's internode mode uses both). With
+        low_latency_mode the low-latency buffer is separate memory on top (DeepEP shares
+        its RDMA buffer between the modes)."""
         return self.num_nvl_bytes + (self.num_rdma_bytes if self._spans_nodes() else 0)
 
     def _tokens_for(self, hidden, num_experts, num_topk):
@@ -291,18 +293,22 @@ class Buffer(LowLatencyMethods):
         num_topk = int(topk_idx.shape[1])
         self._layout_shape = (int(num_experts), num_topk)
         current = self._normal_shape
+        spans = self._spans_nodes()
         if current is not None and current[1:] == self._layout_shape:
+            # Across nodes the event comes after the tokens per node, computed below.
             per_rank, _, per_expert, in_rank, event = self._normal.get_dispatch_layout(
-                topk_idx, num_experts, previous_event, async_finish)
+                topk_idx, num_experts, previous_event, async_finish and not spans)
         else:
             if previous_event is not None:
                 previous_event.current_stream_wait()
             per_rank, per_expert, in_rank = _ops.layout(topk_idx, int(num_experts),
                                                         self.group_size)
-            event = self._event(topk_idx, async_finish)
+            event = None
         per_node = None
-        if self._spans_nodes():
+        if spans:
             per_node = _ops.tokens_per_node(in_rank, self._group().ranks_per_node)
+        if event is None or spans:
+            event = self._event(topk_idx, async_finish)
         return per_rank, per_node, per_expert, in_rank, event
 
     @staticmethod

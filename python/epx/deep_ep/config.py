@@ -57,10 +57,11 @@ class Config:
     def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
         """For a group spanning nodes, the normal-mode epx buffer must fit in num_nvl_bytes
         + num_rdma_bytes (its slots for rows crossing the network come on top of the rows
-        received): as many bytes again as get_nvl_buffer_size_hint, which with it holds
-        the internode buffer of the same tokens (1.33 GiB per rank at 4096 tokens, hidden
-        7168, 2 nodes of 4 ranks, against 1.91 GB from the two hints)."""
-        return self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+        received, up to about 2 / ranks-per-node times the single-node buffer): twice
+        get_nvl_buffer_size_hint, which with it holds the internode buffer of the same
+        tokens at any number of ranks per node (4096 tokens, hidden 7168, 4 ranks as 4
+        nodes of 1: 1.43 GB needed, 2.88 GB from the two hints)."""
+        return 2 * self.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
 
     def __repr__(self):
         return ("deep_ep.Config(num_sms=%d, nvl=(%d, %d), rdma=(%d, %d))"

@@ -66,7 +66,9 @@
 extern "C" {
 #endif
 
-#define EPX_LL_PLUGIN_ABI 8
+/* 9: the internode kernels take biases and routing by the layout (libepx no longer
+ * refuses them across nodes, so an older plugin must not be loaded). */
+#define EPX_LL_PLUGIN_ABI 9
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
