@@ -63,6 +63,17 @@ def layout_of(buffer, tensors, case, rank):
     return per_rank, per_expert, in_rank
 
 
+def dispatch_by_topk(buffer, tensors, case, rank, call=None):
+    """`call` (buffer.dispatch by default) of rank's inputs routed by top-k, with the
+    layout from get_dispatch_layout: (its six results, is_token_in_rank)."""
+    x, _, idx, w = case.inputs(rank)
+    per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, rank)
+    results = (call or buffer.dispatch)(
+        tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    return results, in_rank
+
+
 def rank_prefix(case):
     """[s][r] = tokens ranks 0..s send to rank r, from every rank's model layout."""
     counts = np.array([case.layout(s)[2].sum(axis=0) for s in range(case.world)])
@@ -285,11 +296,8 @@ def test_worst_case_dispatch(group, tensors):
 def test_combine_bias(group, tensors):
     case = make_case(group, seed=9)
     buffer = make_buffer(group)
-    x, _, idx, w = case.inputs(group.rank)
-    per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
-    recv_x, _, _, _, handle, _ = buffer.dispatch(
-        tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    x = case.inputs(group.rank)[0]
+    (recv_x, _, _, _, handle, _), in_rank = dispatch_by_topk(buffer, tensors, case, group.rank)
     rng = np.random.default_rng([9, group.rank])
     bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16) for _ in range(2)]
     one, _, _ = buffer.combine(recv_x, handle, bias=tensors.put(bias[0]))
@@ -332,12 +340,8 @@ def test_internode_names(group, tensors):
     across nodes) are dispatch and combine, on one node as across nodes."""
     case = make_case(group, seed=13)
     buffer = make_buffer(group)
-    x, _, idx, w = case.inputs(group.rank)
-    per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
-    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.internode_dispatch(
-        tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx),
-        topk_weights=tensors.put(w))
+    (recv_x, recv_idx, recv_w, counts, handle, _), _ = dispatch_by_topk(
+        buffer, tensors, case, group.rank, buffer.internode_dispatch)
     want = check_recv(tensors, case, group.rank, recv_x, recv_idx, recv_w, counts, handle)
     rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
     combined, _, _ = buffer.internode_combine(tensors.put(rows), handle)
