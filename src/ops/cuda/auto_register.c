@@ -50,7 +50,8 @@ static uint32_t stale_slots(const epx__cuda_auto_t *au)
         epx__cuda_ipc_allocation_t now;
         if (m->bytes == 0)
             continue;
-        if (!epx__cuda_ipc_find_allocation((void *)m->base, &now) || !slot_holds(&au->slots[i], &now))
+        if (!epx__cuda_ipc_find_allocation((void *)m->base, &now) ||
+            !slot_holds(&au->slots[i], &now))
             stale |= 1u << i;
     }
     return stale;

@@ -73,7 +73,8 @@ static const char *lookup(const void *ptr, epx__cuda_ipc_allocation_t *allocatio
     *rc = get_range(&base, &size, (unsigned long long)(uintptr_t)ptr);
     if (*rc != 0)
         return "cuMemGetAddressRange";
-    *rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID, (unsigned long long)(uintptr_t)ptr);
+    *rc = get_attribute(&id, EPX_CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                        (unsigned long long)(uintptr_t)ptr);
     if (*rc != 0)
         return "cuPointerGetAttribute(BUFFER_ID)";
     allocation->base = (uintptr_t)base;
