@@ -700,6 +700,9 @@ int main(int argc, char **argv)
     moe_ll_cast_t bf16 = {0, 0, 0}, fp8 = {1, 0, 0}, fp8_pow2 = {1, 1, 0}, ue8m0 = {1, 1, 1};
     run_blocking("bf16", 256, bf16, -1);
     run_blocking("fp8 fp32 scales", 256, fp8, -1);
+    /* Scale rows of whole 16-byte vectors (hidden / 128 a multiple of 4) and rows of
+     * three 512-channel chunks (a bulk dispatch send copies such scales whole). */
+    run_blocking("fp8 fp32 scales, hidden 1536", 1536, fp8, -1);
     run_blocking("fp8 power-of-two scales", 384, fp8_pow2, -1);
     run_blocking("fp8 ue8m0", 512, ue8m0, -1);
     run_blocking("empty rank", 128, bf16, info.world_size - 1);
