@@ -165,7 +165,8 @@ typedef struct {
     int world_size;              /* >= 1 */
     epx_backend_t backend;       /* default EPX_BACKEND_AUTO */
     int device;                  /* CUDA device; -1 = local rank modulo visible devices */
-    int ranks_per_node;          /* 0 = all ranks on one node (NVLink/IPC domain) */
+    int ranks_per_node;          /* ranks of a node (NVLink/IPC domain); 0 = EPX_RANKS_PER_NODE
+                                    when set, else the ranks on each host (docs/INTERNODE.md) */
     const epx_unique_id_t *unique_id;             /* either this ... */
     const epx_bootstrap_callbacks_t *callbacks;   /* ... or this */
     int64_t timeout_ms;          /* 0 = EPX_TIMEOUT_MS */

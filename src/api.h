@@ -30,4 +30,14 @@ struct epx_buffer *epx__buffer_new(epx_group_t group, const epx_buffer_config_t 
 epx_status_t epx__buffer_size(epx_group_t group, const epx_buffer_config_t *config,
                               size_t *bytes_per_rank);
 
+/*
+ * The node size of a group of `world_size` ranks whose host names are `hosts` (rank r's
+ * at hosts + r * stride, NUL-terminated): `given` (> 0: config.ranks_per_node or
+ * EPX_RANKS_PER_NODE) when no node it makes spans two hosts, else an error; with
+ * `given` 0, the ranks per host when the ranks come host by host, the same number on
+ * each (src/group_nodes.c).
+ */
+epx_status_t epx__group_nodes(const char *hosts, size_t stride, int world_size, int given,
+                              int *ranks_per_node);
+
 #endif /* EPX_API_H */

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 #include "api.h"
 #include "core/objects.h"
@@ -22,6 +23,7 @@ typedef struct {
     int32_t world_size;
     int32_t backend;
     int32_t ranks_per_node;
+    char host[64]; /* gethostname: a node's ranks must share one (group_nodes.c) */
 } group_agreement_t;
 
 static int backend_known(epx_backend_t backend)
@@ -104,20 +106,29 @@ static epx_status_t resolve_backend(epx_backend_t requested, epx_backend_t *reso
     return EPX_SUCCESS;
 }
 
-/* Fill everything a group knows before it talks to the other ranks. */
-static epx_status_t resolve_group(const epx_group_config_t *config, struct epx_group *group)
+/* The node size the caller gave: config.ranks_per_node, else EPX_RANKS_PER_NODE (read
+ * now, as a launcher's variables), else 0: found from the hosts at the agreement. */
+static epx_status_t given_ranks_per_node(const epx_group_config_t *config, int *given)
 {
-    group->rank = config->rank;
-    group->world_size = config->world_size;
-    group->ranks_per_node = config->ranks_per_node > 0 ? config->ranks_per_node
-                                                       : config->world_size;
-    group->timeout_ms = config->timeout_ms > 0 ? config->timeout_ms
-                                               : epx__param_int(EPX_PARAM_TIMEOUT_MS);
-    EPX_CHECK(resolve_backend(config->backend, &group->backend));
+    *given = config->ranks_per_node;
+    if (*given > 0)
+        return EPX_SUCCESS;
+    int64_t from_env = 0;
+    int is_set = 0;
+    EPX_CHECK(epx__param_read_now(EPX_PARAM_RANKS_PER_NODE, &is_set, &from_env, NULL, 0));
+    if (from_env > 0 && from_env < config->world_size && config->world_size % from_env != 0)
+        return EPX_ERROR(EPX_ERR_INVALID_ARG,
+                         "group: EPX_RANKS_PER_NODE=%lld does not divide world_size %d",
+                         (long long)from_env, config->world_size);
+    *given = from_env > 0 && from_env < config->world_size ? (int)from_env : 0;
+    return EPX_SUCCESS;
+}
 
-    /* A launcher knows the real placement on the node; without one, assume ranks are
-     * placed node by node in rank order. Read now: the launcher's variables may have
-     * been set after the settings were cached. */
+/* Local rank and device for the node size in group->ranks_per_node. A launcher knows the
+ * real placement on the node; without one, ranks are placed node by node in rank order.
+ * Read now: the launcher's variables may have been set after the settings were cached. */
+static epx_status_t place_rank(const epx_group_config_t *config, struct epx_group *group)
+{
     int64_t local_rank = -1;
     int is_set = 0;
     EPX_CHECK(epx__param_read_now(EPX_PARAM_LOCAL_RANK, &is_set, &local_rank, NULL, 0));
@@ -135,12 +146,29 @@ static epx_status_t resolve_group(const epx_group_config_t *config, struct epx_g
     return EPX_SUCCESS;
 }
 
-static epx_status_t check_agreement(struct epx_group *group)
+/* Fill everything a group knows before it talks to the other ranks (the node size until
+ * the agreement: the one given, else the world). */
+static epx_status_t resolve_group(const epx_group_config_t *config, int given,
+                                  struct epx_group *group)
+{
+    group->rank = config->rank;
+    group->world_size = config->world_size;
+    group->ranks_per_node = given > 0 ? given : config->world_size;
+    group->timeout_ms = config->timeout_ms > 0 ? config->timeout_ms
+                                               : epx__param_int(EPX_PARAM_TIMEOUT_MS);
+    EPX_CHECK(resolve_backend(config->backend, &group->backend));
+    return place_rank(config, group);
+}
+
+static epx_status_t check_agreement(const epx_group_config_t *config, int given,
+                                    struct epx_group *group)
 {
     group_agreement_t mine = {.rank = group->rank,
                               .world_size = group->world_size,
                               .backend = (int32_t)group->backend,
-                              .ranks_per_node = group->ranks_per_node};
+                              .ranks_per_node = given};
+    if (gethostname(mine.host, sizeof(mine.host) - 1) != 0)
+        strcpy(mine.host, "?");
     group_agreement_t *all = calloc((size_t)group->world_size, sizeof(*all));
     if (all == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "group: out of memory");
@@ -168,11 +196,20 @@ static epx_status_t check_agreement(struct epx_group *group)
                                epx_backend_name((epx_backend_t)all[0].backend));
         else if (theirs->ranks_per_node != all[0].ranks_per_node)
             status = EPX_ERROR(EPX_ERR_INVALID_ARG,
-                               "group: rank %d has ranks_per_node %d, rank 0 has %d", r,
-                               (int)theirs->ranks_per_node, (int)all[0].ranks_per_node);
+                               "group: rank %d has ranks_per_node %d, rank 0 has %d (0: not "
+                               "given)",
+                               r, (int)theirs->ranks_per_node, (int)all[0].ranks_per_node);
     }
+    /* Every rank sees the same hosts, so every rank finds the same nodes. */
+    int per_node = group->ranks_per_node;
+    if (status == EPX_SUCCESS)
+        status = epx__group_nodes(all[0].host, sizeof(all[0]), group->world_size, given,
+                                  &per_node);
     free(all);
-    return status;
+    if (status != EPX_SUCCESS || per_node == group->ranks_per_node)
+        return status;
+    group->ranks_per_node = per_node; /* found from the hosts */
+    return place_rank(config, group);
 }
 
 epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *group)
@@ -184,11 +221,13 @@ epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *gro
     EPX_CHECK(check_config(config));
     EPX_CHECK(epx__params_load());
 
+    int given = 0;
+    EPX_CHECK(given_ranks_per_node(config, &given));
     struct epx_group *created = calloc(1, sizeof(*created));
     if (created == NULL)
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "group: out of memory");
     epx_status_t status;
-    EPX_CHECK_GOTO(resolve_group(config, created), status, err_free);
+    EPX_CHECK_GOTO(resolve_group(config, given, created), status, err_free);
     if (config->callbacks != NULL)
         EPX_CHECK_GOTO(epx__bootstrap_create_callbacks(config->callbacks, config->rank,
                                                        config->world_size, &created->bootstrap),
@@ -198,7 +237,7 @@ epx_status_t epx_group_create(const epx_group_config_t *config, epx_group_t *gro
                                                  config->world_size, created->timeout_ms,
                                                  &created->bootstrap),
                        status, err_free);
-    EPX_CHECK_GOTO(check_agreement(created), status, err_bootstrap);
+    EPX_CHECK_GOTO(check_agreement(config, given, created), status, err_bootstrap);
     EPX_CHECK_GOTO(epx__object_add(EPX__OBJECT_GROUP, created), status, err_bootstrap);
 
     epx__log_set_rank(created->rank);

@@ -1,0 +1,68 @@
+/*
+ * A group's nodes from its ranks' hosts (src/group_nodes.c): found when nothing gives
+ * the node size, checked when config.ranks_per_node or EPX_RANKS_PER_NODE does. Every
+ * case is a made-up list of host names, so no second machine is needed.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "api.h"
+#include "test_util.h"
+
+#define HOST_BYTES 16
+
+/* hosts[r] = the r-th letter of `letters` as a host name ("a", "b", ...). */
+static void make_hosts(char (*hosts)[HOST_BYTES], const char *letters)
+{
+    for (size_t r = 0; r < strlen(letters); r++)
+        snprintf(hosts[r], HOST_BYTES, "host-%c", letters[r]);
+}
+
+static int nodes(const char *letters, int given, epx_status_t *status)
+{
+    char hosts[16][HOST_BYTES];
+    make_hosts(hosts, letters);
+    int per_node = -1;
+    *status = epx__group_nodes(hosts[0], HOST_BYTES, (int)strlen(letters), given, &per_node);
+    return per_node;
+}
+
+static void expect_nodes(const char *letters, int given, int want)
+{
+    epx_status_t status;
+    int got = nodes(letters, given, &status);
+    CHECK_OK(status);
+    CHECK_EQ_INT(got, want);
+}
+
+static void expect_refused(const char *letters, int given, const char *needle)
+{
+    epx_status_t status;
+    (void)nodes(letters, given, &status);
+    CHECK_STATUS(status, EPX_ERR_INVALID_ARG);
+    CHECK_ERROR_MENTIONS(needle);
+}
+
+int main(void)
+{
+    /* Nothing given: the ranks on each host. */
+    expect_nodes("a", 0, 1);
+    expect_nodes("aaaa", 0, 4);
+    expect_nodes("aabb", 0, 2);
+    expect_nodes("aaabbbccc", 0, 3);
+    expect_nodes("abcd", 0, 1);
+    /* Hosts with different numbers of ranks, or not host by host: refused, naming them. */
+    expect_refused("aaab", 0, "rank 3 is on host host-b");
+    expect_refused("aabbb", 0, "cannot tell the nodes");
+    expect_refused("abab", 0, "rank 2 is on host host-a");
+    expect_refused("aabbaa", 0, "rank 4 is on host host-a");
+    /* Given: virtual nodes inside a host are fine, a node across hosts is not. */
+    expect_nodes("aaaa", 2, 2);
+    expect_nodes("aaaa", 4, 4);
+    expect_nodes("aabb", 2, 2);
+    expect_nodes("aabb", 1, 1);
+    expect_refused("aabb", 4, "puts rank 2 (host host-b) in one node with rank 0 (host host-a)");
+    expect_refused("abab", 2, "puts rank 1 (host host-b) in one node with rank 0 (host host-a)");
+    printf("test_group_nodes: ok\n");
+    return 0;
+}
