@@ -35,7 +35,7 @@ epx_status_t epx__buffer_size(epx_group_t group, const epx_buffer_config_t *conf
  * at hosts + r * stride, NUL-terminated): `given` (> 0: config.ranks_per_node or
  * EPX_RANKS_PER_NODE) when no node it makes spans two hosts, else an error; with
  * `given` 0, the ranks per host when the ranks come host by host, the same number on
- * each (src/group_nodes.c).
+ * each, else the world size with a warning (src/group_nodes.c).
  */
 epx_status_t epx__group_nodes(const char *hosts, size_t stride, int world_size, int given,
                               int *ranks_per_node);

@@ -46,13 +46,18 @@ epx_status_t epx__group_nodes(const char *hosts, size_t stride, int world_size, 
         int earlier = 0;
         for (int n = 0; r % per == 0 && n < r; n += per)
             earlier |= strcmp(host_of(hosts, stride, n), node_host) == 0;
-        if (world_size % per != 0 || !same_node || earlier)
-            return EPX_ERROR(EPX_ERR_INVALID_ARG,
-                             "group: cannot tell the nodes from the hosts (rank 0's host %s "
-                             "has the first %d ranks; rank %d is on host %s): place the ranks "
-                             "host by host with the same number on each, or set "
-                             "ranks_per_node (EPX_RANKS_PER_NODE)",
-                             host_of(hosts, stride, 0), per, r, host_of(hosts, stride, r));
+        if (world_size % per != 0 || !same_node || earlier) {
+            /* As before host names were looked at: one node. Low-latency mode works so
+             * (its peers on other hosts get puts); normal mode will not map them. */
+            EPX_WARN(EPX_SUBSYS_CORE,
+                     "group: cannot tell the nodes from the hosts (rank 0's host %s has the "
+                     "first %d ranks; rank %d is on host %s), so all %d ranks count as one "
+                     "node; normal mode across hosts needs the ranks placed host by host with "
+                     "the same number on each, or ranks_per_node (EPX_RANKS_PER_NODE)",
+                     host_of(hosts, stride, 0), per, r, host_of(hosts, stride, r), world_size);
+            *ranks_per_node = world_size;
+            return EPX_SUCCESS;
+        }
     }
     *ranks_per_node = per;
     return EPX_SUCCESS;
