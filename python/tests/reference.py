@@ -108,27 +108,31 @@ class Case:
             rows[i] = x_of(s)[t].astype(np.float32) * np.float32(0.5 * (rank + 1)) + rank
         return rows.astype(BF16)
 
-    def combine(self, rank, x_of, weights_too=True):
+    def combine(self, rank, x_of, weights_too=True, bias=None):
         """combined_x (bf16) and combined weights (fp32) for `rank`'s own tokens, summed in
-        fp32 in rank order as the host backend does; across nodes in rank order inside
-        each node, each node's sum rounded to bf16 (weights: not rounded), then in node
-        order (docs/INTERNODE.md, "Combine: summation order")."""
+        fp32 from DeepEP's biases (a list of bf16 [tokens, hidden] arrays, or None), then
+        in rank order as the host backend does; across nodes in rank order inside each
+        node, each node's sum rounded to bf16 (weights: not rounded), then in node order
+        (docs/INTERNODE.md, "Combine: summation order")."""
         x, _, idx, w = self.inputs(rank)
         n = idx.shape[0]
         acc = np.zeros((n, self.hidden), dtype=np.float32)
+        for b in bias or ():
+            acc += b.astype(np.float32)
         acc_w = np.zeros((n, self.num_topk), dtype=np.float32)
         per_node = self.ranks_per_node
+        one_node = per_node == self.world
         for node in range(self.world // per_node):
-            part = np.zeros((n, self.hidden), dtype=np.float32)
-            part_w = np.zeros((n, self.num_topk), dtype=np.float32)
+            # One node: the rows go straight into the sum (nothing crosses a network).
+            part = acc if one_node else np.zeros((n, self.hidden), dtype=np.float32)
+            part_w = acc_w if one_node else np.zeros((n, self.num_topk), dtype=np.float32)
             for r in range(node * per_node, (node + 1) * per_node):
                 here = (idx >= 0) & (idx // self.experts_per_rank == r)
                 sent = here.any(axis=1)
                 rows = self.combine_input(r, [(rank, t) for t in range(n) if sent[t]], x_of)
                 part[sent] += rows.astype(np.float32)
                 part_w[sent] += np.where(here, w, np.float32(0))[sent] * np.float32(r + 1)
-            if per_node < self.world:
-                part = part.astype(BF16).astype(np.float32)
-            acc += part
-            acc_w += part_w
+            if not one_node:
+                acc += part.astype(BF16).astype(np.float32)
+                acc_w += part_w
         return acc.astype(BF16), acc_w

@@ -296,41 +296,23 @@ def test_worst_case_dispatch(group, tensors):
 def test_combine_bias(group, tensors):
     case = make_case(group, seed=9)
     buffer = make_buffer(group)
-    x = case.inputs(group.rank)[0]
-    (recv_x, _, _, _, handle, _), in_rank = dispatch_by_topk(buffer, tensors, case, group.rank)
+    (_, _, _, _, handle, _), _ = dispatch_by_topk(buffer, tensors, case, group.rank)
+    x_of = lambda s: case.inputs(s)[0]  # noqa: E731
+    rows = tensors.put(case.combine_input(group.rank, case.dispatch(group.rank)["src"], x_of))
     rng = np.random.default_rng([9, group.rank])
     bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16) for _ in range(2)]
-    one, _, _ = buffer.combine(recv_x, handle, bias=tensors.put(bias[0]))
-    two, _, _ = buffer.combine(recv_x, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
+    one, _, _ = buffer.combine(rows, handle, bias=tensors.put(bias[0]))
+    two, _, _ = buffer.combine(rows, handle, bias=(tensors.put(bias[0]), tensors.put(bias[1])))
     # Biases that cancel (+2^24, -2^24) tell the order apart: first, they leave the rows'
     # sum exact; after the rows, the fp32 sum next to 2^24 would keep even integers only.
     big = np.full((case.num_tokens, case.hidden), 2.0 ** 24, dtype=np.float32)
     cancel = [big.astype(BF16), (-big).astype(BF16)]
-    three, _, _ = buffer.combine(recv_x, handle,
+    three, _, _ = buffer.combine(rows, handle,
                                  bias=(tensors.put(cancel[0]), tensors.put(cancel[1])))
-    # Every rank that received token t sends back x[t]. On one node the sum starts from
-    # the biases (fp32), then adds x[t] once per receiving rank, rounded to bf16 once.
-    # Across nodes the rows are summed per node (each node's sum rounded to bf16), and
-    # those are added after the biases in node order, rounded once more at the end.
-    in_rank_host = tensors.get(in_rank)
+    # The model: the biases first (fp32), then the rows in rank order on one node, or the
+    # nodes' sums rounded to bf16 in node order across nodes; one rounding at the end.
     for got, parts in ((one, bias[:1]), (two, bias), (three, cancel)):
-        bias_sum = sum(b.astype(np.float32) for b in parts)
-        if not spans_nodes(group):
-            acc = bias_sum.copy()
-            copies = in_rank_host.sum(axis=1)
-            for c in range(group.world_size):
-                acc[copies > c] += x[copies > c].astype(np.float32)
-            want = acc.astype(BF16)
-        else:
-            per_node = group.ranks_per_node
-            acc = bias_sum.copy()
-            for node in range(group.world_size // per_node):
-                copies = in_rank_host[:, node * per_node:(node + 1) * per_node].sum(axis=1)
-                part = np.zeros_like(acc)
-                for c in range(per_node):
-                    part[copies > c] += x[copies > c].astype(np.float32)
-                acc += part.astype(BF16).astype(np.float32)
-            want = acc.astype(BF16)
+        want, _ = case.combine(group.rank, x_of, bias=parts)
         assert_bf16_equal(tensors.get(got), want, group.backend)
     buffer.destroy()
 

@@ -434,19 +434,27 @@ void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t s
 }
 
 /*
- * One token's output row: the rows of its receivers summed node by node (the formula
- * in moe_case.h). `partial` and `total` are [hidden] scratch.
+ * One token's output row: from its biases (`bias` rows, NULL: none), the rows of its
+ * receivers summed node by node (the formula in moe_case.h). On one node the rows go
+ * straight into the total: without biases the same bits as a partial rounded to bf16,
+ * with them DeepEP's flat order. `partial` and `total` are [hidden] scratch.
  */
 static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_t *idx,
-                          float *partial, float *total, uint16_t *row, uint16_t *out)
+                          const uint16_t *const bias[2], float *partial, float *total,
+                          uint16_t *row, uint16_t *out)
 {
     int64_t hidden = c->hidden;
     int per_node = node_size(c);
+    int one_node = per_node == c->world_size;
     for (int64_t i = 0; i < hidden; i++)
         total[i] = 0.0f;
+    for (int b = 0; b < 2; b++)
+        for (int64_t i = 0; bias[b] != NULL && i < hidden; i++)
+            total[i] += moe_bf16_to_float(bias[b][t * hidden + i]);
     for (int node = 0; node < c->world_size / per_node; node++) {
         int received = 0;
-        for (int64_t i = 0; i < hidden; i++)
+        float *sum = one_node ? total : partial;
+        for (int64_t i = 0; !one_node && i < hidden; i++)
             partial[i] = 0.0f;
         for (int r = node * per_node; r < (node + 1) * per_node; r++) {
             if (!token_goes_to(c, idx, r))
@@ -454,20 +462,27 @@ static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_
             received = 1;
             moe_combine_row(c, r, rank, t, row);
             for (int64_t i = 0; i < hidden; i++)
-                partial[i] += moe_bf16_to_float(row[i]);
+                sum[i] += moe_bf16_to_float(row[i]);
         }
         /* The node's partial crosses the network as bf16. */
-        if (received)
+        if (received && !one_node)
             for (int64_t i = 0; i < hidden; i++)
                 total[i] += moe_bf16_to_float(moe_float_to_bf16(partial[i]));
     }
-    /* A token sent nowhere sums to +0, whose bf16 bits are 0. */
+    /* A token sent nowhere (without biases) sums to +0, whose bf16 bits are 0. */
     for (int64_t i = 0; i < hidden; i++)
         out[i] = moe_float_to_bf16(total[i]);
 }
 
 int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x)
 {
+    return moe_oracle_combine_biased(c, rank, NULL, NULL, out_x);
+}
+
+int moe_oracle_combine_biased(const moe_case_t *c, int rank, const uint16_t *bias0,
+                              const uint16_t *bias1, uint16_t **out_x)
+{
+    const uint16_t *const bias[2] = {bias0, bias1};
     *out_x = NULL;
     if (!case_is_valid(c) || rank < 0 || rank >= c->world_size)
         return -1;
@@ -483,7 +498,7 @@ int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x)
              weights != NULL;
     for (int64_t t = 0; ok && t < n; t++) {
         make_routing_row(c, rank, t, idx, weights);
-        combine_token(c, rank, t, idx, partial, total, row, out + t * hidden);
+        combine_token(c, rank, t, idx, bias, partial, total, row, out + t * hidden);
     }
     free(partial);
     free(total);

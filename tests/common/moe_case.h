@@ -83,6 +83,13 @@ void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t s
  * rank order (bf16 of an exact bf16 is itself).
  */
 int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x);
+/*
+ * The same with DeepEP's biases, [num_tokens, hidden] bf16 bits each (NULL: none): the
+ * fp32 sum starts from bias0 + bias1, then adds the node partials as above; on one node
+ * the rows one by one, in rank order (nothing is rounded before the end).
+ */
+int moe_oracle_combine_biased(const moe_case_t *c, int rank, const uint16_t *bias0,
+                              const uint16_t *bias1, uint16_t **out_x);
 
 /* Top-k expert ids of rank `rank`'s tokens, [num_tokens, num_topk] (what
  * moe_inputs_make gives, without the rows). Returns the token count, -1 on a bad case. */

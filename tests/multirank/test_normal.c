@@ -357,9 +357,9 @@ static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handl
 
 /*
  * Combine with DeepEP's two biases: out = bf16(bias0 + bias1 + the rows in rank order),
- * in fp32, computed here from moe_combine_row and this rank's routing; across nodes the
- * rows of each node are summed first (rank order, from 0) and rounded to bf16, and
- * those are added after the biases in node order (docs/INTERNODE.md).
+ * in fp32; across nodes the rows of each node are summed first (rank order, from 0) and
+ * rounded to bf16, and those are added after the biases in node order (the oracle's
+ * moe_oracle_combine_biased; docs/INTERNODE.md).
  */
 static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
                                int cancelling)
@@ -369,13 +369,10 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
     const moe_case_t *c = ctx->c;
     const moe_expected_t *e = ctx->e;
     int64_t hidden = c->hidden, n = ctx->in->num_tokens;
-    int world = c->world_size;
     uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
     uint16_t *bias = calloc((size_t)(2 * n * hidden) + 1, 2);
-    uint16_t *want = calloc((size_t)(n * hidden) + 1, 2);
     uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
-    uint16_t *row = calloc((size_t)hidden, 2);
-    CHECK(rows != NULL && bias != NULL && want != NULL && got != NULL && row != NULL);
+    CHECK(rows != NULL && bias != NULL && got != NULL);
     for (int64_t i = 0; i < e->num_recv; i++)
         moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
                         rows + i * hidden);
@@ -386,37 +383,8 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
         bias[i] = cancelling ? moe_float_to_bf16(i < n * hidden ? 16777216.0f : -16777216.0f)
                              : moe_float_to_bf16((float)((i * 7 + i / hidden * 31) % 17 - 8) *
                                                  0.25f);
-    for (int64_t t = 0; t < n; t++) {
-        float *acc = calloc((size_t)hidden, sizeof(float));
-        CHECK(acc != NULL);
-        for (int64_t i = 0; i < hidden; i++)
-            acc[i] = moe_bf16_to_float(bias[t * hidden + i]) +
-                     moe_bf16_to_float(bias[(n + t) * hidden + i]);
-        int per_node = c->ranks_per_node > 0 && c->ranks_per_node < world ? c->ranks_per_node
-                                                                           : world;
-        float *part = calloc((size_t)hidden, sizeof(float));
-        CHECK(part != NULL);
-        for (int node = 0; node < world / per_node; node++) {
-            memset(part, 0, (size_t)hidden * sizeof(float));
-            for (int r = node * per_node; r < (node + 1) * per_node; r++) {
-                if (!e->is_token_in_rank[t * world + r])
-                    continue;
-                moe_combine_row(c, r, ctx->rank, t, row);
-                for (int64_t i = 0; i < hidden; i++) {
-                    if (per_node == world) /* one node: the flat sum, one rounding */
-                        acc[i] += moe_bf16_to_float(row[i]);
-                    else
-                        part[i] += moe_bf16_to_float(row[i]);
-                }
-            }
-            for (int64_t i = 0; i < hidden && per_node < world; i++)
-                acc[i] += moe_bf16_to_float(moe_float_to_bf16(part[i]));
-        }
-        for (int64_t i = 0; i < hidden; i++)
-            want[t * hidden + i] = moe_float_to_bf16(acc[i]);
-        free(part);
-        free(acc);
-    }
+    uint16_t *want = NULL;
+    CHECK_EQ_INT(moe_oracle_combine_biased(c, ctx->rank, bias, bias + n * hidden, &want), 0);
     void *x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2 + 2);
     void *biases = mr_mem_from_host(bias, (size_t)(2 * n * hidden) * 2 + 2);
     void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2 + 2, 0xff);
@@ -433,7 +401,6 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
     free(bias);
     free(want);
     free(got);
-    free(row);
     mr_mem_free(x);
     mr_mem_free(biases);
     mr_mem_free(out_x);

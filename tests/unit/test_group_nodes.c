@@ -45,23 +45,20 @@ static void expect_refused(const char *letters, int given, const char *needle)
 
 int main(void)
 {
-    /* Nothing given: the ranks on each host. */
-    expect_nodes("a", 0, 1);
-    expect_nodes("aaaa", 0, 4);
-    expect_nodes("aabb", 0, 2);
-    expect_nodes("aaabbbccc", 0, 3);
-    expect_nodes("abcd", 0, 1);
-    /* Hosts with different numbers of ranks, or not host by host: one node, as before
-     * host names were looked at (with a warning naming the first rank out of place). */
-    expect_nodes("aaab", 0, 4);
-    expect_nodes("aabbb", 0, 5);
-    expect_nodes("abab", 0, 4);
-    expect_nodes("aabbaa", 0, 6);
-    /* Given: virtual nodes inside a host are fine, a node across hosts is not. */
-    expect_nodes("aaaa", 2, 2);
-    expect_nodes("aaaa", 4, 4);
-    expect_nodes("aabb", 2, 2);
-    expect_nodes("aabb", 1, 1);
+    /* Nothing given (0): the ranks on each host; hosts with different numbers of ranks,
+     * or not host by host: one node, as before host names were looked at (with a warning
+     * naming the first rank out of place). Given: virtual nodes inside a host are fine. */
+    static const struct {
+        const char *hosts;
+        int given, want;
+    } found[] = {
+        {"a", 0, 1},    {"aaaa", 0, 4}, {"aabb", 0, 2}, {"aaabbbccc", 0, 3}, {"abcd", 0, 1},
+        {"aaab", 0, 4}, {"aabbb", 0, 5}, {"abab", 0, 4}, {"aabbaa", 0, 6},   {"aaaa", 2, 2},
+        {"aaaa", 4, 4}, {"aabb", 2, 2}, {"aabb", 1, 1},
+    };
+    for (size_t i = 0; i < sizeof(found) / sizeof(found[0]); i++)
+        expect_nodes(found[i].hosts, found[i].given, found[i].want);
+    /* Given: a node across hosts is refused, naming the ranks and hosts. */
     expect_refused("aabb", 4, "puts rank 2 (host host-b) in one node with rank 0 (host host-a)");
     expect_refused("abab", 2, "puts rank 1 (host host-b) in one node with rank 0 (host host-a)");
     printf("test_group_nodes: ok\n");
