@@ -62,6 +62,11 @@ static void test_rejected_fields(void)
     check_refused(&config, EPX_ERR_INVALID_ARG, "ranks_per_node 3");
     config = good, config.ranks_per_node = -1;
     check_refused(&config, EPX_ERR_INVALID_ARG, "ranks_per_node -1");
+    /* ranks_per_node left 0: EPX_RANKS_PER_NODE gives it, and must divide the world too. */
+    setenv("EPX_RANKS_PER_NODE", "3", 1);
+    config = good, config.world_size = 4, config.unique_id = &id;
+    check_refused(&config, EPX_ERR_INVALID_ARG, "EPX_RANKS_PER_NODE=3 does not divide");
+    unsetenv("EPX_RANKS_PER_NODE");
     config = good, config.backend = (epx_backend_t)7;
     check_refused(&config, EPX_ERR_INVALID_ARG, "backend 7");
     config = good, config.device = -2;
@@ -257,11 +262,38 @@ static int body_disagree(int rank, int world_size, void *arg)
     return 0;
 }
 
+/* EPX_RANKS_PER_NODE for a group whose config leaves ranks_per_node 0 (here a unique
+ * id; callbacks alike): the node size, and with it the local rank. */
+static int body_nodes_from_env(int rank, int world_size, void *arg)
+{
+    (void)arg;
+    setenv("EPX_RANKS_PER_NODE", "2", 1);
+    epx__params_reset();
+    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
+    config.rank = rank;
+    config.world_size = world_size;
+    config.backend = EPX_BACKEND_HOST;
+    config.unique_id = &g_id;
+    config.timeout_ms = 8000;
+    epx_group_t group = NULL;
+    CHECK_OK(epx_group_create(&config, &group));
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    CHECK_OK(epx_group_get_info(group, &info));
+    CHECK_EQ_INT(info.ranks_per_node, 2);
+    CHECK_EQ_INT(info.local_rank, rank % 2);
+    CHECK_OK(epx_group_barrier(group));
+    CHECK_OK(epx_group_destroy(group));
+    return 0;
+}
+
 static void test_several_ranks(void)
 {
     CHECK_OK(epx_get_unique_id(&g_id));
     if (run_ranks("local ranks", 4, 4, body_local_ranks, NULL) != 0)
         TEST_FAIL("local ranks were not resolved");
+    CHECK_OK(epx_get_unique_id(&g_id));
+    if (run_ranks("nodes from EPX_RANKS_PER_NODE", 4, 4, body_nodes_from_env, NULL) != 0)
+        TEST_FAIL("EPX_RANKS_PER_NODE did not give a configured group its nodes");
     CHECK_OK(epx_get_unique_id(&g_id));
     if (run_ranks("disagree", 4, 4, body_disagree, NULL) != 0)
         TEST_FAIL("ranks that disagree were not all refused naming rank 2");
