@@ -41,7 +41,7 @@ foreach(ranks 1 2 4)
            COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n ${ranks} -- -q
                    ${EPX_PY_TESTS}/test_buffer.py ${EPX_PY_TESTS}/test_bad_input.py
                    ${EPX_PY_TESTS}/test_group.py ${EPX_PY_TESTS}/test_low_latency.py
-                   ${EPX_PY_TESTS}/test_deep_ep.py
+                   ${EPX_PY_TESTS}/test_deep_ep.py ${EPX_PY_TESTS}/test_elastic.py
            WORKING_DIRECTORY ${EPX_PY_ROOT})
   set_tests_properties(python.multirank.n${ranks} PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
                        LABELS "python;multirank" ENVIRONMENT "${EPX_PY_ENV}")
@@ -49,10 +49,11 @@ endforeach()
 
 # epx.deep_ep on a group spanning nodes (2 virtual nodes of 2 ranks, CPU backend): the
 # internode handle, num_tokens_per_rdma_rank, combine summed per node, bias and dispatch
-# without top-k across nodes; low-latency mode across the virtual nodes too.
+# without top-k across nodes; low-latency mode across the virtual nodes too; DeepEP V2's
+# ElasticBuffer (test_elastic.py) with its scale-up domain of 2.
 add_test(NAME python.multirank.n4.nodes2x2
          COMMAND ${EPX_PY_RUN} --launch $<TARGET_FILE:epx_tool> -n 4 -- -q
-                 ${EPX_PY_TESTS}/test_deep_ep.py
+                 ${EPX_PY_TESTS}/test_deep_ep.py ${EPX_PY_TESTS}/test_elastic.py
          WORKING_DIRECTORY ${EPX_PY_ROOT})
 set_tests_properties(python.multirank.n4.nodes2x2 PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77
                      LABELS "python;multirank"

@@ -1,4 +1,5 @@
-"""epx.deep_ep: DeepEP V1's Python API (deep_ep.Buffer, Config, EventOverlap) on epx.
+"""epx.deep_ep: DeepEP's Python API on epx: V1's deep_ep.Buffer, Config, EventOverlap, and
+V2's ElasticBuffer and EPHandle (dispatch and combine).
 
     import epx.deep_ep as deep_ep      # the one line that changes
 
@@ -17,9 +18,10 @@ docs/PYTHON.md ("DeepEP drop-in") lists the differences from DeepEP.
 from ..events import EventOverlap
 from .buffer import Buffer, DispatchHandle, InternodeDispatchHandle
 from .config import Config
+from .elastic import ElasticBuffer, EPHandle
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "InternodeDispatchHandle",
-           "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "ElasticBuffer", "EPHandle", "EventOverlap",
+           "InternodeDispatchHandle", "topk_idx_t"]
 
 
 def __getattr__(name):

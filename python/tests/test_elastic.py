@@ -1,0 +1,278 @@
+"""epx.deep_ep.ElasticBuffer (DeepEP V2's API) on every rank, checked against the NumPy model.
+
+Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_elastic.py` (also as
+virtual nodes: EPX_RANKS_PER_NODE). Every test is collective.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+
+import epx.deep_ep as deep_ep
+from reference import BF16, Case
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(autouse=True)
+def _numpy_or_torch(request):
+    callspec = getattr(request.node, "callspec", None)
+    kind = callspec.params.get("tensors") if callspec is not None else None
+    if kind is not None and kind.name == "jax":
+        pytest.skip("epx.deep_ep takes torch tensors and NumPy arrays, not JAX arrays")
+
+
+def make_buffer(group, **kwargs):
+    return deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=MAX_TOKENS, hidden=256,
+                                 explicitly_destroy=True, **kwargs)
+
+
+def make_case(group, **kwargs):
+    kwargs.setdefault("num_experts", 4 * group.world_size)
+    return Case(group.world_size, ranks_per_node=group.ranks_per_node, **kwargs)
+
+
+def dispatch(buffer, tensors, case, rank, **kwargs):
+    x, scales, idx, w = case.inputs(rank)
+    x_in = (tensors.put(x), tensors.put(scales)) if scales is not None else tensors.put(x)
+    return buffer.dispatch(x_in, topk_idx=tensors.put(idx), topk_weights=tensors.put(w),
+                           num_experts=case.num_experts, **kwargs)
+
+
+def recv_of(tensors, recv_x):
+    if isinstance(recv_x, tuple):
+        return tensors.get(recv_x[0]), tensors.get(recv_x[1])
+    return tensors.get(recv_x), None
+
+
+def bits(array):
+    return array.view(np.uint8 if array.dtype.itemsize == 1 else np.uint16)
+
+
+def test_signatures_match_deep_ep_v2():
+    """DeepEP 2.1's parameter names and defaults, in its order."""
+    init = inspect.signature(deep_ep.ElasticBuffer.__init__).parameters
+    assert list(init)[1:] == [
+        "group", "num_bytes", "num_cpu_bytes", "num_max_tokens_per_rank", "hidden",
+        "num_topk", "use_fp8_dispatch", "deterministic", "allow_hybrid_mode",
+        "allow_multiple_reduction", "prefer_overlap_with_compute", "sl_idx",
+        "num_allocated_qps", "num_cpu_timeout_secs", "num_gpu_timeout_secs",
+        "explicitly_destroy"]
+    assert list(inspect.signature(deep_ep.ElasticBuffer.dispatch).parameters)[1:] == [
+        "x", "topk_idx", "topk_weights", "cumulative_local_expert_recv_stats", "num_experts",
+        "num_max_tokens_per_rank", "expert_alignment", "num_sms", "num_qps", "previous_event",
+        "previous_event_before_epilogue", "async_with_compute_stream",
+        "allocate_on_comm_stream", "handle", "do_handle_copy", "do_cpu_sync", "do_expand",
+        "do_zero_padding", "use_tma_aligned_col_major_sf"]
+    assert list(inspect.signature(deep_ep.ElasticBuffer.combine).parameters)[1:] == [
+        "x", "handle", "topk_weights", "bias", "num_sms", "num_qps", "previous_event",
+        "previous_event_before_epilogue", "async_with_compute_stream",
+        "allocate_on_comm_stream"]
+
+
+@pytest.mark.parametrize("dtype,alignment", [("bf16", 1), ("fp8", 4)])
+def test_dispatch_matches_the_model(group, tensors, dtype, alignment):
+    case = make_case(group, dtype=dtype, alignment=alignment, seed=11)
+    buffer = make_buffer(group)
+    rank, want = group.rank, case.dispatch(group.rank)
+    stats = tensors.put(np.full(case.experts_per_rank, 5, dtype=np.int32))
+    recv_x, recv_idx, recv_w, handle, event = dispatch(
+        buffer, tensors, case, rank, expert_alignment=alignment,
+        cumulative_local_expert_recv_stats=stats)
+    got_x, got_sf = recv_of(tensors, recv_x)
+    np.testing.assert_array_equal(bits(got_x), bits(want["recv_x"]))
+    if dtype == "fp8":
+        np.testing.assert_array_equal(got_sf, want["recv_scales"])
+    np.testing.assert_array_equal(tensors.get(recv_idx), want["recv_idx"])
+    np.testing.assert_array_equal(tensors.get(recv_w), want["recv_weights"])
+    n = len(want["src"])
+    assert handle.num_recv_tokens == n and not handle.do_expand
+    meta = tensors.get(handle.recv_src_metadata)
+    assert meta.shape == (n, 2 + case.num_topk) and meta.dtype == np.int32
+    np.testing.assert_array_equal(meta[:, 0], [s * MAX_TOKENS + t for s, t in want["src"]])
+    np.testing.assert_array_equal(meta[:, 1], [s for s, _ in want["src"]])
+    # Counts: aligned per expert (list and inclusive prefix sum), unaligned in the stats.
+    assert handle.num_recv_tokens_per_expert_list == want["counts"]
+    np.testing.assert_array_equal(tensors.get(handle.psum_num_recv_tokens_per_expert),
+                                  np.cumsum(want["counts"]))
+    unaligned = np.bincount(want["recv_idx"][want["recv_idx"] >= 0],
+                            minlength=case.experts_per_rank)
+    np.testing.assert_array_equal(tensors.get(stats), unaligned + 5)
+    # Rows per scale-up peer (the ranks of one node index): tokens from ranks s with
+    # s % ranks_per_node == i, inclusive prefix sum.
+    up = buffer.num_scaleup_ranks
+    per_peer = np.bincount([s % up for s, _ in want["src"]], minlength=up)
+    np.testing.assert_array_equal(tensors.get(handle.psum_num_recv_tokens_per_scaleup_rank),
+                                  np.cumsum(per_peer))
+    # Each token's row on each rank: where that rank's metadata names it.
+    _, _, idx, _ = case.inputs(rank)
+    slots = tensors.get(handle.dst_buffer_slot_idx)
+    in_rank = case.layout(rank)[2]
+    assert slots.shape == in_rank.shape
+    assert ((slots >= 0) == in_rank).all()
+    mine = [i for i, (s, _) in enumerate(want["src"]) if s == rank]
+    np.testing.assert_array_equal(slots[in_rank[:, rank], rank], mine)
+    assert event.event is None
+    buffer.destroy()
+
+
+def test_expanded_layout(group, tensors):
+    case = make_case(group, alignment=4, seed=12)
+    buffer = make_buffer(group)
+    want = case.dispatch(group.rank)
+    recv_x, recv_idx, _, handle, _ = dispatch(buffer, tensors, case, group.rank)
+    ex_x, ex_idx, ex_w, ex_handle, _ = dispatch(buffer, tensors, case, group.rank,
+                                                expert_alignment=4, do_expand=True,
+                                                do_zero_padding=True)
+    assert ex_idx is None and ex_handle.do_expand
+    ex_x, ex_w = tensors.get(ex_x), tensors.get(ex_w)
+    slots = tensors.get(ex_handle.recv_src_metadata)[:, 2:]
+    idx = want["recv_idx"]
+    assert ((slots >= 0) == (idx >= 0)).all()
+    counts = np.bincount(idx[idx >= 0], minlength=case.experts_per_rank)
+    aligned = (counts + 3) // 4 * 4
+    starts = np.concatenate(([0], np.cumsum(aligned)[:-1]))
+    np.testing.assert_array_equal(tensors.get(ex_handle.psum_num_recv_tokens_per_expert),
+                                  starts + counts)
+    np.testing.assert_array_equal(tensors.get(ex_handle.num_unaligned_recv_tokens_per_expert),
+                                  counts)
+    assert ex_handle.num_expanded_tokens == aligned.sum() == ex_x.shape[0]
+    used = np.zeros(ex_x.shape[0], dtype=bool)
+    for e in range(case.experts_per_rank):
+        rows, cols = np.nonzero(idx == e)
+        # An expert's rows: its entries in received-row order, from its aligned start.
+        np.testing.assert_array_equal(slots[rows, cols], starts[e] + np.arange(rows.size))
+        np.testing.assert_array_equal(bits(ex_x[slots[rows, cols]]), bits(want["recv_x"][rows]))
+        np.testing.assert_array_equal(ex_w[slots[rows, cols]], want["recv_weights"][rows, cols])
+        used[slots[rows, cols]] = True
+    assert (bits(ex_x[~used]) == 0).all() and (ex_w[~used] == 0).all()
+    buffer.destroy()
+
+
+def test_cached_dispatch_reuses_the_routing(group, tensors):
+    case = make_case(group, seed=13)
+    buffer = make_buffer(group)
+    want = case.dispatch(group.rank)
+    _, recv_idx, _, handle, _ = dispatch(buffer, tensors, case, group.rank)
+    other = (np.asarray(case.inputs(group.rank)[0], np.float32) * 2).astype(BF16)
+    # The rows of `other` where the model received x: each row is twice the model's.
+    recv_x, again_idx, again_w, same, _ = buffer.dispatch(tensors.put(other), handle=handle)
+    assert same is handle and again_w is None
+    np.testing.assert_array_equal(tensors.get(recv_x).astype(np.float32),
+                                  want["recv_x"].astype(np.float32) * 2)
+    np.testing.assert_array_equal(tensors.get(again_idx), tensors.get(recv_idx))
+    _, _, w, ex_handle, _ = dispatch(buffer, tensors, case, group.rank, do_expand=True)
+    _, w_idx, cached_w, _, _ = buffer.dispatch(
+        tensors.put(other), handle=ex_handle,
+        topk_weights=tensors.put(case.inputs(group.rank)[3]), do_expand=True)
+    assert w_idx is None
+    np.testing.assert_array_equal(tensors.get(cached_w), tensors.get(w))
+    with pytest.raises(Exception, match="takes no topk_idx"):
+        buffer.dispatch(tensors.put(other), topk_idx=tensors.put(case.inputs(group.rank)[2]),
+                        handle=handle)
+    buffer.destroy()
+
+
+def test_worst_case_shapes_without_cpu_sync(group, tensors):
+    case = make_case(group, seed=14)
+    buffer = make_buffer(group)
+    want = case.dispatch(group.rank)
+    n, rows = len(want["src"]), group.world_size * MAX_TOKENS
+    recv_x, recv_idx, recv_w, handle, _ = dispatch(buffer, tensors, case, group.rank,
+                                                   do_cpu_sync=False)
+    got_idx = tensors.get(recv_idx)
+    assert tensors.get(recv_x).shape[0] == rows and got_idx.shape[0] == rows
+    np.testing.assert_array_equal(got_idx[:n], want["recv_idx"])
+    assert (got_idx[n:] == -1).all() and (tensors.get(recv_w)[n:] == 0).all()
+    assert handle.num_recv_tokens_per_expert_list == []
+    # combine takes the worst-case rows and uses the received ones.
+    expert_out = np.zeros((rows, case.hidden), dtype=BF16)
+    combined, _, _ = buffer.combine(tensors.put(expert_out), handle)
+    assert (tensors.get(combined).astype(np.float32) == 0).all()
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_bias", [0, 1, 2])
+def test_combine_and_expanded_combine(group, tensors, num_bias):
+    case = make_case(group, seed=15)
+    buffer = make_buffer(group)
+    rank, want = group.rank, case.dispatch(group.rank)
+    _, recv_idx, recv_w, handle, _ = dispatch(buffer, tensors, case, rank)
+    _, _, ex_w, ex_handle, _ = dispatch(buffer, tensors, case, rank, do_expand=True)
+
+    def x_of(s):
+        return case.inputs(s)[0]
+
+    rows = case.combine_input(rank, want["src"], x_of)
+    rng = np.random.default_rng([case.seed, 99, rank])
+    bias = [rng.uniform(-1, 1, (case.num_tokens, case.hidden)).astype(BF16)
+            for _ in range(num_bias)]
+    bias_arg = None if num_bias == 0 else (
+        tensors.put(bias[0]) if num_bias == 1 else tuple(tensors.put(b) for b in bias))
+    combined, combined_w, _ = buffer.combine(tensors.put(rows), handle,
+                                             topk_weights=recv_w, bias=bias_arg)
+    want_x, _ = case.combine(rank, x_of, bias=bias)
+    np.testing.assert_array_equal(bits(tensors.get(combined)), bits(want_x))
+    _, _, idx, w = case.inputs(rank)
+    np.testing.assert_array_equal(tensors.get(combined_w), np.where(idx >= 0, w, 0))
+
+    # Expanded: each entry's row is a share of `rows`; the library sums a received row's
+    # shares in top-k order (fp32, one rounding) before the ranks' sum.
+    slots = tensors.get(ex_handle.recv_src_metadata)[:, 2:]
+    shares = np.zeros((ex_handle.num_expanded_tokens, case.hidden), dtype=BF16)
+    partial = np.zeros((len(want["src"]), case.hidden), dtype=np.float32)
+    for j in range(case.num_topk):
+        r = np.nonzero(slots[:, j] >= 0)[0]
+        share = (rows[r].astype(np.float32) * np.float32(0.25 * (j + 1))).astype(BF16)
+        shares[slots[r, j]] = share
+        partial[r] += share.astype(np.float32)
+    ex_combined, ex_combined_w, _ = buffer.combine(tensors.put(shares), ex_handle,
+                                                   topk_weights=ex_w, bias=bias_arg)
+    # The same as a plain combine of the summed shares.
+    plain, _, _ = buffer.combine(tensors.put(partial.astype(BF16)), handle, bias=bias_arg)
+    np.testing.assert_array_equal(bits(tensors.get(ex_combined)), bits(tensors.get(plain)))
+    np.testing.assert_array_equal(tensors.get(ex_combined_w), np.where(idx >= 0, w, 0))
+    buffer.destroy()
+
+
+def test_refusals_name_the_cause(group, tensors):
+    case = make_case(group, seed=16)
+    buffer = make_buffer(group, allow_multiple_reduction=False)
+    x, _, idx, w = case.inputs(group.rank)
+    with pytest.raises(Exception, match="num_experts is required"):
+        buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
+    with pytest.raises(Exception, match="topk_idx is required"):
+        buffer.dispatch(tensors.put(x), num_experts=case.num_experts)
+    with pytest.raises(Exception, match="more than num_max_tokens_per_rank"):
+        buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),
+                        num_experts=case.num_experts, num_max_tokens_per_rank=2)
+    _, _, _, ex_handle, _ = dispatch(buffer, tensors, case, group.rank, do_expand=True)
+    shares = np.zeros((ex_handle.num_expanded_tokens, case.hidden), dtype=BF16)
+    with pytest.raises(NotImplementedError, match="allow_multiple_reduction=False"):
+        buffer.combine(tensors.put(shares), ex_handle)
+    with pytest.raises(Exception, match="cannot do CPU sync"):
+        buffer.dispatch(tensors.put(x), handle=ex_handle, do_cpu_sync=True)
+    for name in ("engram_write", "engram_fetch", "pp_send", "pp_recv", "all_gather",
+                 "create_agrs_session"):
+        with pytest.raises(NotImplementedError, match=name):
+            getattr(buffer, name)()
+    buffer.destroy()
+    with pytest.raises(NotImplementedError, match="num_cpu_bytes"):
+        deep_ep.ElasticBuffer(group, num_bytes=4 << 20, num_cpu_bytes=2 << 20)
+
+
+def test_sizes_and_domains(group):
+    buffer = make_buffer(group)
+    hint = deep_ep.ElasticBuffer.get_buffer_size_hint(group, 4096, 7168, num_topk=8)
+    assert hint % (2 << 20) == 0 and hint > 4096 * group.world_size * 7168 * 4
+    assert buffer.num_bytes == deep_ep.ElasticBuffer.get_buffer_size_hint(group, MAX_TOKENS,
+                                                                          256)
+    nodes, per_node = buffer.get_logical_domain_size()
+    assert nodes * per_node == group.world_size
+    if 0 < group.ranks_per_node < group.world_size:
+        assert per_node == group.ranks_per_node
+    assert buffer.scaleup_rank_idx == group.rank % per_node
+    assert buffer.get_theoretical_num_sms(64, 8) == deep_ep.Buffer.num_sms
+    buffer.barrier()
+    buffer.destroy()
