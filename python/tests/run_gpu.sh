@@ -109,11 +109,11 @@ for n in ${RANKS:-1 2 4}; do
     echo "== multi-rank tests, $n ranks, CUDA backend"
     "$build/epx" launch --mps -n "$n" -- "$py" -m pytest -p no:cacheprovider -q \
         "$tests/test_buffer.py" "$tests/test_bad_input.py" "$tests/test_group.py" \
-        "$tests/test_low_latency.py" "$tests/test_deep_ep.py" || status=1
+        "$tests/test_low_latency.py" "$tests/test_deep_ep.py" "$tests/test_elastic.py" || status=1
 done
 echo "== epx.deep_ep across 2 virtual nodes of 2 ranks, CUDA backend (internode kernels)"
 EPX_RANKS_PER_NODE=2 "$build/epx" launch --mps -n 4 -- "$py" -m pytest -p no:cacheprovider -q \
-    "$tests/test_deep_ep.py" || status=1
+    "$tests/test_deep_ep.py" "$tests/test_elastic.py" || status=1
 for n in ${EXAMPLE_RANKS:-2 4}; do
     echo "== examples/moe_layer.py, $n ranks, torch on the CUDA backend"
     EPX_BACKEND=cuda "$build/epx" launch --mps -n "$n" -- "$py" "$root/examples/moe_layer.py" \

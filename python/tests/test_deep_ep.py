@@ -439,9 +439,16 @@ def test_low_latency(group, tensors1, use_fp8, return_recv_hook):
     hook() if return_recv_hook else event.current_stream_wait()
     want_x, _ = case.combine(group.rank)
     assert_bf16_equal(tensors.get(combined), want_x, group.backend)
-    with pytest.raises(NotImplementedError, match="use_logfmt"):
+    # use_logfmt: the same exact bf16 combine, with a warning (once per process).
+    with pytest.raises(epx.EpxError, match="use_logfmt cannot be combined with zero_copy"):
         buffer.low_latency_combine(tensors.put(y), tensors.put(idx), tensors.put(w), handle,
-                                   use_logfmt=True)
+                                   use_logfmt=True, zero_copy=True)
+    import epx.deep_ep.low_latency as ll_methods
+    ll_methods._LOGFMT_WARNED.clear()
+    with pytest.warns(UserWarning, match="use_logfmt is accepted"):
+        logfmt, _, _ = buffer.low_latency_combine(tensors.put(y), tensors.put(idx),
+                                                  tensors.put(w), handle, use_logfmt=True)
+    assert_bf16_equal(tensors.get(logfmt), want_x, group.backend)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         buffer.low_latency_dispatch(tensors.put(x), tensors.put(idx), m, case.num_experts,
                                     dispatch_wait_recv_cost_stats=stats)

@@ -9,7 +9,9 @@ import inspect
 import numpy as np
 import pytest
 
+import epx
 import epx.deep_ep as deep_ep
+from epx import Status
 from reference import BF16, Case
 
 MAX_TOKENS = 32
@@ -168,6 +170,11 @@ def test_cached_dispatch_reuses_the_routing(group, tensors):
         topk_weights=tensors.put(case.inputs(group.rank)[3]), do_expand=True)
     assert w_idx is None
     np.testing.assert_array_equal(tensors.get(cached_w), tensors.get(w))
+    cached_x, _, _, _, _ = buffer.dispatch(tensors.put(other), handle=ex_handle, do_expand=True)
+    slots = tensors.get(ex_handle.recv_src_metadata)[:, 2:]
+    r, c = np.nonzero(slots >= 0)
+    np.testing.assert_array_equal(tensors.get(cached_x)[slots[r, c]].astype(np.float32),
+                                  want["recv_x"][r].astype(np.float32) * 2)
     with pytest.raises(Exception, match="takes no topk_idx"):
         buffer.dispatch(tensors.put(other), topk_idx=tensors.put(case.inputs(group.rank)[2]),
                         handle=handle)
@@ -175,21 +182,34 @@ def test_cached_dispatch_reuses_the_routing(group, tensors):
 
 
 def test_worst_case_shapes_without_cpu_sync(group, tensors):
-    case = make_case(group, seed=14)
+    case = make_case(group, seed=14, alignment=2)
     buffer = make_buffer(group)
-    want = case.dispatch(group.rank)
+    rank, want = group.rank, case.dispatch(group.rank)
     n, rows = len(want["src"]), group.world_size * MAX_TOKENS
-    recv_x, recv_idx, recv_w, handle, _ = dispatch(buffer, tensors, case, group.rank,
-                                                   do_cpu_sync=False)
-    got_idx = tensors.get(recv_idx)
-    assert tensors.get(recv_x).shape[0] == rows and got_idx.shape[0] == rows
+    recv_x, recv_idx, recv_w, handle, _ = dispatch(buffer, tensors, case, rank,
+                                                   do_cpu_sync=False, expert_alignment=2)
+    got_x, got_idx, got_w = tensors.get(recv_x), tensors.get(recv_idx), tensors.get(recv_w)
+    assert got_x.shape[0] == rows and got_idx.shape[0] == rows and got_w.shape[0] == rows
+    assert handle.num_recv_tokens == rows
+    np.testing.assert_array_equal(bits(got_x[:n]), bits(want["recv_x"]))
     np.testing.assert_array_equal(got_idx[:n], want["recv_idx"])
-    assert (got_idx[n:] == -1).all() and (tensors.get(recv_w)[n:] == 0).all()
+    np.testing.assert_array_equal(got_w[:n], want["recv_weights"])
+    assert (got_idx[n:] == -1).all() and (got_w[n:] == 0).all()
     assert handle.num_recv_tokens_per_expert_list == []
-    # combine takes the worst-case rows and uses the received ones.
-    expert_out = np.zeros((rows, case.hidden), dtype=BF16)
-    combined, _, _ = buffer.combine(tensors.put(expert_out), handle)
-    assert (tensors.get(combined).astype(np.float32) == 0).all()
+    # A cached dispatch of that handle keeps the worst-case shapes, expanded too.
+    again, _, _, _, _ = buffer.dispatch(tensors.put(case.inputs(rank)[0]), handle=handle)
+    assert tensors.get(again).shape[0] == rows
+    ex_x, _, _, ex_handle, _ = dispatch(buffer, tensors, case, rank, do_cpu_sync=False,
+                                        do_expand=True, expert_alignment=2)
+    local, k = case.experts_per_rank, case.num_topk
+    bound = (rows * min(k, local) + local + 1) // 2 * 2
+    assert tensors.get(ex_x).shape[0] == bound == ex_handle.num_expanded_tokens
+    # combine reads the received rows of worst-case inputs.
+    x_rows = np.zeros((rows, case.hidden), dtype=BF16)
+    x_rows[:n] = case.combine_input(rank, want["src"], lambda s: case.inputs(s)[0])
+    combined, _, _ = buffer.combine(tensors.put(x_rows), handle, topk_weights=recv_w)
+    want_x, _ = case.combine(rank, lambda s: case.inputs(s)[0])
+    np.testing.assert_array_equal(bits(tensors.get(combined)), bits(want_x))
     buffer.destroy()
 
 
@@ -240,19 +260,15 @@ def test_refusals_name_the_cause(group, tensors):
     case = make_case(group, seed=16)
     buffer = make_buffer(group, allow_multiple_reduction=False)
     x, _, idx, w = case.inputs(group.rank)
-    with pytest.raises(Exception, match="num_experts is required"):
+    # Before any buffer exists: every rank refuses alike (a vote, then no buffer made).
+    with pytest.raises(epx.EpxError, match="num_experts is required"):
         buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx))
-    with pytest.raises(Exception, match="topk_idx is required"):
+    with pytest.raises(epx.EpxError, match="topk_idx is required"):
         buffer.dispatch(tensors.put(x), num_experts=case.num_experts)
-    with pytest.raises(Exception, match="more than num_max_tokens_per_rank"):
-        buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),
-                        num_experts=case.num_experts, num_max_tokens_per_rank=2)
     _, _, _, ex_handle, _ = dispatch(buffer, tensors, case, group.rank, do_expand=True)
     shares = np.zeros((ex_handle.num_expanded_tokens, case.hidden), dtype=BF16)
     with pytest.raises(NotImplementedError, match="allow_multiple_reduction=False"):
         buffer.combine(tensors.put(shares), ex_handle)
-    with pytest.raises(Exception, match="cannot do CPU sync"):
-        buffer.dispatch(tensors.put(x), handle=ex_handle, do_cpu_sync=True)
     for name in ("engram_write", "engram_fetch", "pp_send", "pp_recv", "all_gather",
                  "create_agrs_session"):
         with pytest.raises(NotImplementedError, match=name):
@@ -260,6 +276,108 @@ def test_refusals_name_the_cause(group, tensors):
     buffer.destroy()
     with pytest.raises(NotImplementedError, match="num_cpu_bytes"):
         deep_ep.ElasticBuffer(group, num_bytes=4 << 20, num_cpu_bytes=2 << 20)
+
+
+def refused_on_one_rank(group, call, *words):
+    """call() fails on every rank: naming the cause on rank 0 (the one given a bad
+    argument), as ERR_REMOTE naming rank 0 elsewhere (never a wait for the timeout)."""
+    with pytest.raises(epx.EpxError) as caught:
+        call()
+    if group.rank == 0:
+        for word in words:
+            assert word in caught.value.message, caught.value.message
+    else:
+        assert caught.value.status == Status.ERR_REMOTE, caught.value.message
+        assert "rank 0" in caught.value.message, caught.value.message
+
+
+@pytest.mark.parametrize("mistake", ["stats", "twice", "tokens", "handle", "combine rows",
+                                     "combine weights"])
+def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake):
+    case = make_case(group, seed=17)
+    buffer = make_buffer(group)
+    rank = group.rank
+    x, _, idx, w = case.inputs(rank)
+    _, _, recv_w, handle, _ = dispatch(buffer, tensors, case, rank)
+    bad = rank == 0
+    if mistake == "stats":
+        stats = np.zeros(case.experts_per_rank + (1 if bad else 0), dtype=np.int32)
+        call = lambda: dispatch(buffer, tensors, case, rank,  # noqa: E731
+                                cumulative_local_expert_recv_stats=tensors.put(stats))
+        words = ("cumulative_local_expert_recv_stats",)
+    elif mistake == "twice":
+        idx2 = idx.copy()
+        if bad:
+            idx2[1, :2] = 5
+        call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx2),  # noqa
+                                       num_experts=case.num_experts)
+        words = ("names an expert twice in token 1",)
+    elif mistake == "tokens":
+        more = np.concatenate([x] * 3) if bad else x
+        more_idx = np.concatenate([idx] * 3) if bad else idx
+        call = lambda: buffer.dispatch(tensors.put(more), topk_idx=tensors.put(more_idx),  # noqa
+                                       num_experts=case.num_experts)
+        words = ("max_tokens_per_rank",)
+    elif mistake == "handle":
+        call = lambda: buffer.dispatch(tensors.put(x), handle=handle,  # noqa: E731
+                                       topk_idx=tensors.put(idx) if bad else None)
+        words = ("takes no topk_idx",)
+    else:
+        rows = np.zeros((handle.num_recv_tokens - (1 if bad else 0), case.hidden), dtype=BF16)
+        weights = recv_w
+        if mistake == "combine weights":
+            rows = np.zeros((handle.num_recv_tokens, case.hidden), dtype=BF16)
+            weights = tensors.put(np.zeros((handle.num_recv_tokens, case.num_topk + bad),
+                                           dtype=np.float32))
+        call = lambda: buffer.combine(tensors.put(rows), handle,  # noqa: E731
+                                      topk_weights=weights)
+        words = ("topk_weights has shape",) if mistake == "combine weights" else \
+            ("x has %d rows" % (handle.num_recv_tokens - 1),)
+    refused_on_one_rank(group, call, *words)
+    # The buffer is made again by the next dispatch, on every rank.
+    recv_x, _, _, _, _ = dispatch(buffer, tensors, case, rank)
+    np.testing.assert_array_equal(bits(tensors.get(recv_x)), bits(case.dispatch(rank)["recv_x"]))
+    buffer.destroy()
+
+
+def test_fp8_expanded_column_major_scales(group, tensors):
+    case = make_case(group, dtype="fp8", alignment=4, seed=18)
+    buffer = make_buffer(group)
+    want = case.dispatch(group.rank)
+    recv_x, _, _, handle, _ = dispatch(buffer, tensors, case, group.rank, expert_alignment=4,
+                                       do_expand=True, use_tma_aligned_col_major_sf=True)
+    ex_x, ex_sf = recv_of(tensors, recv_x)
+    rows = handle.num_expanded_tokens
+    assert ex_x.shape[0] == rows and ex_sf.shape == (rows, case.hidden // 128)
+    # Column major: one pack's rows contiguous, columns 4-row aligned apart.
+    itemsize = ex_sf.dtype.itemsize
+    assert ex_sf.strides == (itemsize, ((rows + 3) // 4 * 4) * itemsize)
+    slots = tensors.get(handle.recv_src_metadata)[:, 2:]
+    r, c = np.nonzero(slots >= 0)
+    np.testing.assert_array_equal(bits(ex_x[slots[r, c]]), bits(want["recv_x"][r]))
+    np.testing.assert_array_equal(ex_sf[slots[r, c]], want["recv_scales"][r])
+    buffer.destroy()
+
+
+def test_handle_copy_and_a_rank_without_tokens(group, tensors):
+    case = make_case(group, seed=19, empty_rank=group.world_size - 1)
+    buffer = make_buffer(group)
+    x, _, idx, w = case.inputs(group.rank)
+    idx_in = tensors.put(idx)
+    _, _, _, handle, _ = buffer.dispatch(tensors.put(x), topk_idx=idx_in,
+                                         topk_weights=tensors.put(w),
+                                         num_experts=case.num_experts, do_handle_copy=False)
+    assert handle.topk_idx is idx_in
+    _, _, _, copied, _ = dispatch(buffer, tensors, case, group.rank)
+    assert copied.topk_idx is not idx_in
+    np.testing.assert_array_equal(tensors.get(copied.topk_idx), idx)
+    want = case.dispatch(group.rank)
+    assert handle.num_recv_tokens == len(want["src"])
+    rows = case.combine_input(group.rank, want["src"], lambda s: case.inputs(s)[0])
+    combined, _, _ = buffer.combine(tensors.put(rows), handle)
+    want_x, _ = case.combine(group.rank, lambda s: case.inputs(s)[0])
+    np.testing.assert_array_equal(bits(tensors.get(combined)), bits(want_x))
+    buffer.destroy()
 
 
 def test_sizes_and_domains(group):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..buffer import Buffer as _EpxBuffer
 from ..buffer import _Call
+from .._tensor import RawBits
 from ..errors import EpxError, Status, invalid_argument
 from ..events import EventOverlap
 from . import _elastic_ops as ops
@@ -101,6 +102,7 @@ class ElasticBuffer:
         self._main = None    # epx.Buffer moving the rows
         self._side = None    # epx.Buffer moving each row's source id
         self._shape = None   # (hidden, num_experts, num_topk, num_max_tokens_per_rank)
+        self._failed = False  # an operation on the buffers failed (they are made again)
 
     # ------------------------------------------------------------ lifetime
 
@@ -113,13 +115,12 @@ class ElasticBuffer:
         self._release()
 
     def _release(self):
-        for buffer in (self._main, self._side):
-            if buffer is not None:
-                buffer.destroy()
-        self._main = self._side = self._shape = None
-        if self._owns_group and self._epx_group is not None:
-            self._epx_group.destroy()
-        self._epx_group = None
+        try:
+            self._release_buffers()
+        finally:
+            if self._owns_group and self._epx_group is not None:
+                self._epx_group.destroy()
+            self._epx_group = None
 
     def __del__(self):
         try:
@@ -194,26 +195,99 @@ class ElasticBuffer:
 
     # ------------------------------------------------------------ the epx buffers
 
-    def _buffers(self, hidden, num_experts, num_topk, max_tokens):
-        shape = (hidden, num_experts, num_topk, max_tokens)
-        if self._shape == shape:
+    def _buffers(self, shape, op, problem):
+        """The epx buffers for shape (hidden, num_experts, num_topk, max_tokens), made
+        (collectively) when the current ones are of another shape. `problem`: this rank's
+        argument error (shape None), which fails the call on every rank: through the
+        current buffer (its abort tells the peers, inside their operation), or, when
+        buffers are to be made, through a vote before making them (so that no rank waits
+        in the making for one that raised)."""
+        if problem is None and shape == self._shape and self._main is not None and \
+                not self._main_failed():
             return self._main, self._side
         group = self._group()
-        if num_experts % self.num_ranks != 0:
-            raise invalid_argument("deep_ep.ElasticBuffer.dispatch: num_experts %d is not a "
-                                   "multiple of the %d ranks" % (num_experts, self.num_ranks))
-        for buffer in (self._main, self._side):
-            if buffer is not None:
-                buffer.destroy()
-        self._main = self._side = self._shape = None
+        if self._main is not None and problem is not None and not self._main_failed():
+            self._refuse("%s: %s" % (op, problem))
+        # Every rank is here to make buffers (or to refuse): agree first.
+        verdicts = group.allgather(b"\x01" if problem is None else b"\x00")
+        bad = [r for r, v in enumerate(verdicts) if v != b"\x01"]
+        if bad:
+            if problem is not None:
+                raise invalid_argument("%s: %s" % (op, problem))
+            raise EpxError(Status.ERR_REMOTE, "%s: rank %d refused its arguments (see its "
+                           "error); no buffer was made" % (op, bad[0]))
+        self._release_buffers()
+        hidden, num_experts, num_topk, max_tokens = shape
         num_sms = _V1Buffer.num_sms
         self._main = _EpxBuffer(group, max_tokens_per_rank=max_tokens, hidden=hidden,
                                 num_experts=num_experts, num_topk=num_topk, num_sms=num_sms)
         self._side = _EpxBuffer(group, max_tokens_per_rank=max_tokens,
                                 hidden=ops.META_HIDDEN, num_experts=num_experts,
                                 num_topk=num_topk, num_sms=num_sms)
-        self._shape = shape
+        self._shape, self._failed = shape, False
         return self._main, self._side
+
+    def _main_failed(self):
+        if self._main is None:
+            return False
+        return self._failed or self._main.get_async_error()[0] != Status.SUCCESS
+
+    def _collective(self, call, *args, **kwargs):
+        """Run one epx operation; a failure (here or on a peer) leaves the buffers failed
+        on every rank, and the next dispatch makes new ones."""
+        try:
+            return call(*args, **kwargs)
+        except EpxError as error:
+            self._fail_buffers(error)
+            raise
+
+    def _fail_buffers(self, error):
+        """Both buffers failed on this rank (each destroyed locally later, as on the peers,
+        whichever of the two saw the failure)."""
+        for buffer in (self._main, self._side):
+            if buffer is not None:
+                try:
+                    buffer.abort(error)
+                except EpxError:
+                    pass
+        self._failed = True
+
+    def _refuse(self, message):
+        """Raise an argument error found on this rank. With buffers made, they are
+        aborted first, so the peers' current or next operation fails (ERR_REMOTE naming
+        this rank) instead of pairing with another call; the ElasticBuffer then makes new
+        ones at its next dispatch (every rank's buffers failed alike)."""
+        error = invalid_argument(message)
+        if self._main is not None:
+            self._fail_buffers(error)  # made again by the next dispatch
+        raise error
+
+    def _check_stats(self, stats, local):
+        if stats is not None and tuple(int(d) for d in stats.shape) != (local,):
+            self._refuse("ElasticBuffer.dispatch: cumulative_local_expert_recv_stats has shape "
+                         "%s, expected [%d] (the local experts)" % (tuple(stats.shape), local))
+
+    def _check_distinct(self, idx):
+        """Each token's experts must differ: the expanded layout has one row per (token,
+        expert), and epx counts a token once per expert."""
+        valid = np.where(idx >= 0, idx, -1 - np.arange(idx.shape[1]))
+        ordered = np.sort(valid, axis=1)
+        twice = np.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))[0] \
+            if idx.shape[1] > 1 else []
+        if len(twice):
+            self._refuse("ElasticBuffer.dispatch: topk_idx names an expert twice in token %d "
+                         "(%s); each token's experts must differ"
+                         % (int(twice[0]), idx[int(twice[0])].tolist()))
+
+    def _release_buffers(self):
+        buffers, self._main, self._side, self._shape = (self._main, self._side), None, None, \
+            None
+        for buffer in buffers:
+            if buffer is not None:
+                try:
+                    buffer.destroy()
+                except EpxError:
+                    pass  # a failed buffer is freed locally; nothing more to do
 
     # ------------------------------------------------------------ dispatch
 
@@ -237,107 +311,102 @@ class ElasticBuffer:
         the counts on the host. With handle: the same routing (topk_idx must be None).
         """
         x_main, x_sf = x if isinstance(x, tuple) else (x, None)
+        if isinstance(x_main, RawBits):
+            self._refuse("ElasticBuffer.dispatch: x: raw bits (epx.raw_bits) are not taken "
+                         "here; pass a torch tensor or a NumPy array of ml_dtypes.bfloat16 / "
+                         "float8_e4m3fn")
         ops.framework_name(x_main, "dispatch")
         if previous_event is not None:
             previous_event.current_stream_wait()
         if handle is not None:
-            if topk_idx is not None:
-                raise invalid_argument("ElasticBuffer.dispatch: cached mode (handle given) "
-                                       "takes no topk_idx, as DeepEP")
-            if not isinstance(handle, EPHandle) or handle._owner is not self or \
-                    handle._main is not self._main:
-                raise invalid_argument("ElasticBuffer.dispatch: handle is not from this "
-                                       "buffer's current shape (a dispatch of another shape "
-                                       "made new epx buffers)")
-            if do_cpu_sync:
-                raise invalid_argument("ElasticBuffer.dispatch: cannot do CPU sync with a "
-                                       "cached handle, as DeepEP")
-            num_experts = handle.num_experts if num_experts is None else int(num_experts)
-            alignment = handle.expert_alignment if expert_alignment is None \
-                else int(expert_alignment)
-            tokens = handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
-                else int(num_max_tokens_per_rank)
-            if (num_experts, alignment, tokens) != (handle.num_experts, handle.expert_alignment,
-                                                    handle.num_max_tokens_per_rank):
-                raise invalid_argument("ElasticBuffer.dispatch: num_experts, expert_alignment "
-                                       "and num_max_tokens_per_rank must be the handle's")
-            return self._dispatch_cached(x_main, x_sf, topk_weights, handle, do_expand,
-                                         do_zero_padding, use_tma_aligned_col_major_sf,
+            return self._dispatch_cached(x_main, x_sf, topk_idx, topk_weights, handle,
+                                         num_experts, num_max_tokens_per_rank,
+                                         expert_alignment, do_cpu_sync, do_expand,
+                                         use_tma_aligned_col_major_sf,
                                          cumulative_local_expert_recv_stats,
                                          async_with_compute_stream)
-        if topk_idx is None:
-            raise invalid_argument("ElasticBuffer.dispatch: topk_idx is required without a "
-                                   "handle")
-        if num_experts is None:
-            raise invalid_argument("ElasticBuffer.dispatch: num_experts is required without a "
-                                   "handle")
         tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else int(num_max_tokens_per_rank)
-        if tokens <= 0:
-            raise invalid_argument("ElasticBuffer.dispatch: num_max_tokens_per_rank is needed "
-                                   "(here or at construction)")
-        if int(x_main.shape[0]) > tokens:
-            raise invalid_argument("ElasticBuffer.dispatch: x has %d tokens, more than "
-                                   "num_max_tokens_per_rank %d" % (int(x_main.shape[0]), tokens))
         alignment = 1 if expert_alignment is None else int(expert_alignment)
-        if alignment < 1:
-            raise invalid_argument("ElasticBuffer.dispatch: expert_alignment must be >= 1")
+        problem = None
+        if topk_idx is None:
+            problem = "topk_idx is required without a handle"
+        elif num_experts is None:
+            problem = "num_experts is required without a handle"
+        elif tokens <= 0:
+            problem = "num_max_tokens_per_rank is needed (here or at construction)"
+        elif alignment < 1:
+            problem = "expert_alignment must be >= 1, not %d" % alignment
+        elif int(num_experts) <= 0 or int(num_experts) % self.num_ranks != 0:
+            problem = "num_experts %d is not a positive multiple of the %d ranks" % (
+                int(num_experts), self.num_ranks)
+        shape = None if problem else (int(x_main.shape[1]), int(num_experts),
+                                      int(topk_idx.shape[1]), tokens)
+        main, side = self._buffers(shape, "ElasticBuffer.dispatch", problem)
         num_experts, num_topk = int(num_experts), int(topk_idx.shape[1])
-        main, side = self._buffers(int(x_main.shape[1]), num_experts, num_topk, tokens)
+        local = num_experts // self.num_ranks
+        idx_in = ops.to_host(topk_idx).astype(np.int64)
+        self._check_stats(cumulative_local_expert_recv_stats, local)
+        self._check_distinct(idx_in)
 
-        recv_x, recv_idx, recv_w, counts, epx_handle, _ = main.dispatch(
-            x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
+        recv_x, recv_idx, recv_w, counts, epx_handle, _ = self._collective(
+            main.dispatch, x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
             copy=True)
         n = epx_handle.num_recv_tokens
         ids = self.rank_idx * tokens + np.arange(int(x_main.shape[0]), dtype=np.int64)
-        recv_meta, _, _, _, side_handle, _ = side.dispatch(
-            ops.source_rows(ids, x_main), topk_idx=topk_idx, copy=True)
+        recv_meta, _, _, _, side_handle, _ = self._collective(
+            side.dispatch, ops.source_rows(ids, x_main), topk_idx=topk_idx, copy=True)
         side_handle.destroy()
         src_ids = ops.source_ids(recv_meta)[:n]
         recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
 
-        local = num_experts // self.num_ranks
         idx_host = ops.to_host(recv_idx)[:n]
         expansion = ops.Expansion(idx_host, local, alignment)
         meta = np.empty((n, 2 + num_topk), dtype=np.int32)
         meta[:, 0] = src_ids
         meta[:, 1] = src_ids // tokens
         meta[:, 2:] = expansion.slots
-        src_rank = src_ids // tokens
-        per_peer = np.bincount(src_rank % self.num_scaleup_ranks,
+        per_peer = np.bincount((src_ids // tokens) % self.num_scaleup_ranks,
                                minlength=self.num_scaleup_ranks)
+        worst = do_cpu_sync is not None and not do_cpu_sync
         handle = EPHandle(
-            dst_buffer_slot_idx=ops.like(
-                self._destination_rows(main, epx_handle, x_main, topk_idx, local), x_main),
             do_expand=bool(do_expand), num_experts=num_experts, expert_alignment=alignment,
             num_max_tokens_per_rank=tokens, num_sms=int(num_sms) or _V1Buffer.num_sms,
             topk_idx=_copy(topk_idx) if do_handle_copy else topk_idx,
-            num_recv_tokens=n, num_expanded_tokens=expansion.rows if do_expand else n,
-            num_recv_tokens_per_expert_list=list(counts),
+            num_recv_tokens=self._worst_rows(tokens) if worst else n,
+            num_expanded_tokens=(self._worst_expanded_rows(tokens, local, num_topk, alignment)
+                                 if worst else expansion.rows),
+            num_recv_tokens_per_expert_list=[] if worst else list(counts),
             psum_num_recv_tokens_per_scaleup_rank=ops.like(
                 np.cumsum(per_peer).astype(np.int32), x_main),
             psum_num_recv_tokens_per_expert=ops.like(
                 expansion.psum if do_expand else np.cumsum(counts).astype(np.int32), x_main),
             num_unaligned_recv_tokens_per_expert=ops.like(
                 expansion.counts.astype(np.int32), x_main),
-            recv_src_metadata=ops.like(meta, x_main))
-        handle._owner, handle._main, handle._epx = self, main, epx_handle
-        handle._expansion, handle._recv_topk_idx = expansion, recv_idx
-        if not do_cpu_sync and do_cpu_sync is not None:
-            handle.num_recv_tokens_per_expert_list = []
+            recv_src_metadata=ops.like(meta, x_main),
+            dst_buffer_slot_idx=ops.like(
+                self._destination_rows(main, epx_handle, x_main, idx_in, local), x_main))
+        handle._owner, handle._main, handle._epx, handle._received = self, main, epx_handle, n
+        handle._expansion, handle._recv_topk_idx, handle._worst = expansion, recv_idx, worst
         self._add_stats(cumulative_local_expert_recv_stats, expansion.counts)
         outputs = self._shape_outputs(recv_x_main, recv_sf, recv_idx, recv_w, handle,
-                                      do_expand, use_tma_aligned_col_major_sf,
-                                      do_cpu_sync is not None and not do_cpu_sync)
+                                      do_expand, use_tma_aligned_col_major_sf)
         return outputs + (handle, self._event(x_main, async_with_compute_stream))
 
-    def _destination_rows(self, main, epx_handle, x, topk_idx, local):
+    def _worst_rows(self, tokens):
+        return self.num_ranks * tokens
+
+    def _worst_expanded_rows(self, tokens, local, topk, alignment):
+        """DeepEP's bound on expanded rows without a CPU sync."""
+        rows = self.num_ranks * tokens * min(topk, local) + (alignment - 1) * local
+        return ops.align(rows, alignment)
+
+    def _destination_rows(self, main, epx_handle, x, idx, local):
         """[num_tokens, num_ranks] int32: each token's row among each rank's received rows
         (rows come in source order: the lower ranks' tokens, then this rank's in order),
         -1 where the token is not sent."""
         matrix = ops.to_host(_V1Buffer._rank_prefix_matrix(main, epx_handle,
                                                            _Call(main, "dispatch", x)))
-        idx = ops.to_host(topk_idx).astype(np.int64)
         tokens = idx.shape[0]
         in_rank = np.zeros((tokens, self.num_ranks), dtype=bool)
         rows, cols = np.nonzero(idx >= 0)
@@ -346,46 +415,70 @@ class ElasticBuffer:
         place = np.cumsum(in_rank, axis=0) - 1 + base.astype(np.int64)
         return np.where(in_rank, place, -1).astype(np.int32)
 
-    def _dispatch_cached(self, x, x_sf, topk_weights, handle, do_expand, do_zero_padding,
+    def _check_handle(self, handle, op):
+        if not isinstance(handle, EPHandle) or getattr(handle, "_owner", None) is not self or \
+                handle._main is not self._main or self._main is None:
+            self._refuse("%s: handle is not from this buffer's current epx buffers (another "
+                         "buffer's, or a dispatch of another shape or a failed call made new "
+                         "ones)" % op)
+
+    def _dispatch_cached(self, x, x_sf, topk_idx, topk_weights, handle, num_experts,
+                         num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand,
                          col_major_sf, stats, async_finish):
+        op = "ElasticBuffer.dispatch"
+        self._check_handle(handle, op)
+        given = (handle.num_experts if num_experts is None else int(num_experts),
+                 handle.expert_alignment if expert_alignment is None else int(expert_alignment),
+                 handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                 else int(num_max_tokens_per_rank))
+        if topk_idx is not None:
+            self._refuse(op + ": cached mode (handle given) takes no topk_idx, as DeepEP")
+        if do_cpu_sync:
+            self._refuse(op + ": cannot do CPU sync with a cached handle, as DeepEP")
+        if stats is not None:
+            self._refuse(op + ": cumulative_local_expert_recv_stats is not taken in cached "
+                         "mode (the rows were counted by the dispatch that made the handle)")
+        if given != (handle.num_experts, handle.expert_alignment,
+                     handle.num_max_tokens_per_rank):
+            self._refuse(op + ": num_experts, expert_alignment and num_max_tokens_per_rank "
+                         "must be the handle's")
         main = handle._main
+        x_in = (x, x_sf) if x_sf is not None else x
         if topk_weights is not None:
             # epx's cached dispatch moves rows only; with weights, a fresh epx dispatch of
             # the handle's top-k (the same routing, so the same rows in the same order).
-            recv_x, _, recv_w, _, fresh, _ = main.dispatch(
-                (x, x_sf) if x_sf is not None else x, topk_idx=handle.topk_idx,
-                topk_weights=topk_weights, expert_alignment=handle.expert_alignment,
-                copy=True)
+            recv_x, _, recv_w, _, fresh, _ = self._collective(
+                main.dispatch, x_in, topk_idx=handle.topk_idx, topk_weights=topk_weights,
+                expert_alignment=handle.expert_alignment, copy=True)
             fresh.destroy()
         else:
-            recv_x, _, _, _, _, _ = main.dispatch(
-                (x, x_sf) if x_sf is not None else x, handle=handle._epx, copy=True)
+            recv_x, _, _, _, _, _ = self._collective(main.dispatch, x_in, handle=handle._epx,
+                                                     copy=True)
             recv_w = None
         recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-        self._add_stats(stats, handle._expansion.counts)
         outputs = self._shape_outputs(recv_x_main, recv_sf, handle._recv_topk_idx, recv_w,
-                                      handle, do_expand, col_major_sf, False)
+                                      handle, do_expand, col_major_sf)
         return outputs + (handle, self._event(x, async_finish))
 
     def _shape_outputs(self, recv_x, recv_sf, recv_idx, recv_w, handle, do_expand,
-                       col_major_sf, worst_case):
+                       col_major_sf):
         """(recv_x or (recv_x, recv_sf), recv_topk_idx, recv_topk_weights) in the layout
-        asked for: expanded, or padded to DeepEP's worst case."""
+        asked for: expanded or not, padded to DeepEP's worst case when the handle's
+        dispatch had no CPU sync."""
         if do_expand:
             expansion = handle._expansion
             rows = expansion.rows
-            if worst_case:
+            if handle._worst:
                 local = handle.num_experts // self.num_ranks
-                topk = int(handle.topk_idx.shape[1])
-                rows = self.num_ranks * handle.num_max_tokens_per_rank * min(topk, local)
-                rows = ops.align(rows + (handle.expert_alignment - 1) * local,
-                                 handle.expert_alignment)
+                rows = self._worst_expanded_rows(handle.num_max_tokens_per_rank, local,
+                                                 int(handle.topk_idx.shape[1]),
+                                                 handle.expert_alignment)
             out_x = ops.expand_rows(recv_x, expansion, rows, recv_x)
             out_sf = ops.expand_rows(recv_sf, expansion, rows, recv_x)
             out_w = ops.expand_weights(recv_w, expansion, rows, recv_x)
             out_idx = None
-        elif worst_case:
-            rows = self.num_ranks * handle.num_max_tokens_per_rank
+        elif handle._worst:
+            rows = self._worst_rows(handle.num_max_tokens_per_rank)
             out_x, out_sf = ops.pad_rows(recv_x, rows, 0), ops.pad_rows(recv_sf, rows, 0)
             out_idx = ops.pad_rows(recv_idx, rows, -1)
             out_w = ops.pad_rows(recv_w, rows, 0)
@@ -423,37 +516,52 @@ class ElasticBuffer:
                 async_with_compute_stream=False, allocate_on_comm_stream=False):
         """DeepEP V2's combine (collective): (combined_x, combined_topk_weights, event).
 
-        x has the handle's received rows ([n, hidden]; the worst-case rows of a dispatch
-        without CPU sync are cut to n), or with an expanded handle its expanded rows, which
+        x has the handle's received rows ([n, hidden], or the worst-case rows of a dispatch
+        without CPU sync, of which the first n are read), or with an expanded handle its
+        expanded rows, which
         are first summed per received row in top-k order (fp32, one rounding: DeepEP's
         reduction within a rank). topk_weights ([n, k], or [rows] expanded) come back
         summed per token ([num_tokens, k], each entry from the rank of its expert). The
         sum over ranks is epx's combine (fp32 in rank order, bias_0 + bias_1 first;
         across nodes per node first)."""
-        if not isinstance(handle, EPHandle) or handle._owner is not self or \
-                handle._main is not self._main:
-            raise invalid_argument("ElasticBuffer.combine: handle is not from this buffer's "
-                                   "current shape")
+        op = "ElasticBuffer.combine"
+        self._check_handle(handle, op)
+        if isinstance(x, RawBits):
+            self._refuse(op + ": x: raw bits (epx.raw_bits) are not taken here")
         ops.framework_name(x, "combine")
         if previous_event is not None:
             previous_event.current_stream_wait()
-        n = handle.num_recv_tokens
+        n = handle._received
         if handle.do_expand:
             if not self.allow_multiple_reduction:
                 raise NotImplementedError(
                     "ElasticBuffer.combine: the expanded layout with "
                     "allow_multiple_reduction=False (one reduction over every top-k entry) is "
                     "not supported: epx sums each rank's rows before the ranks' sums")
+            allowed = {handle._expansion.rows, handle.num_expanded_tokens}
+            what = "the handle's expanded rows"
+        else:
+            allowed = {n, handle.num_recv_tokens}
+            what = "the handle's received rows"
+        rows_given = int(x.shape[0])
+        if rows_given not in allowed:
+            self._refuse("%s: x has %d rows, expected %s (%s)"
+                         % (op, rows_given, " or ".join(str(r) for r in sorted(allowed)), what))
+        if topk_weights is not None:
+            want = (rows_given,) if handle.do_expand else (rows_given, int(handle.topk_idx.shape[1]))
+            if tuple(int(d) for d in topk_weights.shape) != want:
+                self._refuse("%s: topk_weights has shape %s, expected %s"
+                             % (op, tuple(topk_weights.shape), want))
+        if handle.do_expand:
             slots = handle._expansion.slots
             rows = ops.reduce_expanded(x, slots, int(x.shape[1]))
             weights = ops.weights_of_slots(topk_weights, slots) \
                 if topk_weights is not None else None
         else:
-            rows = x[:n] if int(x.shape[0]) > n else x
-            weights = topk_weights[:n] if topk_weights is not None and \
-                int(topk_weights.shape[0]) > n else topk_weights
-        combined_x, combined_w, _ = handle._main.combine(rows, handle._epx, weights,
-                                                         self._unpack_bias(bias))
+            rows = x[:n]
+            weights = topk_weights[:n] if topk_weights is not None else None
+        combined_x, combined_w, _ = self._collective(handle._main.combine, rows, handle._epx,
+                                                     weights, self._unpack_bias(bias))
         return combined_x, combined_w, self._event(x, async_with_compute_stream)
 
     # ------------------------------------------------------------ not epx's

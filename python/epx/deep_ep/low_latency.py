@@ -6,9 +6,22 @@ dispatch brings another shape; handles of the old one are then refused. Everythi
 is epx.Buffer's low-latency mode (python/epx/low_latency.py, docs/LOW_LATENCY.md).
 """
 
+import warnings
+
 from ..buffer import Buffer as _EpxBuffer
 from ..errors import EpxError, Status, invalid_argument
 from ..low_latency import LowLatencyHandle
+
+
+_LOGFMT_WARNED = []
+
+
+def _warn_logfmt_once():
+    if not _LOGFMT_WARNED:
+        _LOGFMT_WARNED.append(True)
+        warnings.warn("deep_ep.Buffer.low_latency_combine: use_logfmt is accepted and the rows "
+                      "are sent as bf16 (epx has no LogFMT): exact sums, no fewer bytes",
+                      stacklevel=3)
 
 
 class LowLatencyMethods:
@@ -69,9 +82,18 @@ class LowLatencyMethods:
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
-        """DeepEP's low_latency_combine: (combined_x, event, hook)."""
+        """DeepEP's low_latency_combine: (combined_x, event, hook).
+
+        use_logfmt (DeepEP's lossy 10-bit combine format, to send fewer bytes): epx sends
+        the bf16 rows and sums them exactly as without it; a warning says so once per
+        process. With zero_copy it is refused, as DeepEP refuses it."""
         buffer = self._ll_buffer_of(handle, "low_latency_combine")
-        return buffer.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt,
+        if use_logfmt:
+            if zero_copy:
+                raise invalid_argument("low_latency_combine: use_logfmt cannot be combined with "
+                                       "zero_copy (as DeepEP)")
+            _warn_logfmt_once()
+        return buffer.low_latency_combine(x, topk_idx, topk_weights, handle, False,
                                           zero_copy, async_finish, return_recv_hook, out,
                                           combine_wait_recv_cost_stats)
 
