@@ -10,6 +10,8 @@ rank 0, after a warm-up, with CUDA events on the current stream:
   epx.Buffer copy=True   dispatch returning tensors the caller owns (one local copy)
   deep_ep                deep_ep.Buffer.dispatch with DeepEP's arguments (top-k, layout)
   deep_ep no top-k       routed by is_token_in_rank / num_tokens_per_expert
+  V2 ElasticBuffer       deep_ep.ElasticBuffer.dispatch (DeepEP 2.x), plain and expanded
+                         (expert_alignment 128)
 and the same for cached dispatch and combine (x a separate tensor, as DeepEP's callers
 pass it). deep_ep against "copy=True" shows what the DeepEP surface costs on top of epx;
 "views" against "copy=True" is the copy DeepEP's own receivers make out of their ring.
@@ -98,6 +100,21 @@ def main():
     row("combine   epx.Buffer", lambda: plain.combine(expert_out, plain_handle))
     row("combine   deep_ep", lambda: ours.combine(expert_out, handle, config=config))
 
+    deep_ep.Buffer.set_num_sms(args.sms)  # the SMs of the ElasticBuffer's epx buffers
+    elastic = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=args.tokens,
+                                    hidden=args.hidden, num_topk=args.topk,
+                                    explicitly_destroy=True)
+    v2 = dict(topk_idx=topk_idx, topk_weights=topk_weights, num_experts=args.experts)
+    row("dispatch  V2 ElasticBuffer", lambda: elastic.dispatch(x, **v2))
+    row("dispatch  V2 expanded", lambda: elastic.dispatch(x, expert_alignment=128,
+                                                          do_expand=True, **v2))
+    v2_x, _, _, v2_handle, _ = elastic.dispatch(x, **v2)
+    v2_ex_x, _, _, v2_ex_handle, _ = elastic.dispatch(x, expert_alignment=128, do_expand=True,
+                                                      **v2)
+    row("cached    V2 ElasticBuffer", lambda: elastic.dispatch(x, handle=v2_handle))
+    row("combine   V2 ElasticBuffer", lambda: elastic.combine(v2_x, v2_handle))
+    row("combine   V2 expanded", lambda: elastic.combine(v2_ex_x, v2_ex_handle))
+
     if group.rank == 0:
         print("bench_deep_ep: %d ranks, %s backend, %d tokens x %d, %d experts, top-%d, %d SMs"
               % (group.world_size, group.backend, args.tokens, args.hidden, args.experts,
@@ -106,6 +123,7 @@ def main():
             print("  %-34s %9.1f us" % (name, micros))
     plain.destroy()
     ours.destroy()
+    elastic.destroy()
     group.destroy()
 
 
