@@ -292,15 +292,39 @@ def refused_on_one_rank(group, call, *words):
 
 
 @pytest.mark.parametrize("mistake", ["stats", "twice", "tokens", "handle", "combine rows",
-                                     "combine weights"])
+                                     "combine weights", "first call", "shape change",
+                                     "bias"])
 def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake):
     case = make_case(group, seed=17)
     buffer = make_buffer(group)
     rank = group.rank
     x, _, idx, w = case.inputs(rank)
-    _, _, recv_w, handle, _ = dispatch(buffer, tensors, case, rank)
     bad = rank == 0
-    if mistake == "stats":
+    if mistake == "first call":
+        # No epx buffer yet: rank 0's 1-D topk_idx is refused at the ranks' exchange.
+        flat = idx[:, 0].copy() if bad else idx
+        refused_on_one_rank(group, lambda: buffer.dispatch(
+            tensors.put(x), topk_idx=tensors.put(flat), num_experts=case.num_experts),
+            "must be 2-D")
+        recv_x, _, _, _, _ = dispatch(buffer, tensors, case, rank)
+        np.testing.assert_array_equal(bits(tensors.get(recv_x)),
+                                      bits(case.dispatch(rank)["recv_x"]))
+        buffer.destroy()
+        return
+    _, _, recv_w, handle, _ = dispatch(buffer, tensors, case, rank)
+    if mistake == "shape change":
+        stats = np.zeros(case.experts_per_rank + (1 if bad else 0), dtype=np.int32)
+        call = lambda: dispatch(buffer, tensors, case, rank,  # noqa: E731
+                                num_max_tokens_per_rank=2 * MAX_TOKENS,
+                                cumulative_local_expert_recv_stats=tensors.put(stats))
+        words = ("cumulative_local_expert_recv_stats",)
+    elif mistake == "bias":
+        rows = case.combine_input(rank, case.dispatch(rank)["src"], lambda s: case.inputs(s)[0])
+        b = tensors.put(np.zeros((case.num_tokens, case.hidden), dtype=BF16))
+        call = lambda: buffer.combine(tensors.put(rows), handle,  # noqa: E731
+                                      bias=(b, b, b) if bad else (b, b))
+        words = ("bias must be a tensor or a pair",)
+    elif mistake == "stats":
         stats = np.zeros(case.experts_per_rank + (1 if bad else 0), dtype=np.int32)
         call = lambda: dispatch(buffer, tensors, case, rank,  # noqa: E731
                                 cumulative_local_expert_recv_stats=tensors.put(stats))

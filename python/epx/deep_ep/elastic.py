@@ -12,6 +12,8 @@ all-gather / reduce-scatter sessions are not epx's and raise NotImplementedError
 docs/PYTHON.md ("DeepEP V2: ElasticBuffer") lists the differences.
 """
 
+import struct
+
 import numpy as np
 
 from ..buffer import Buffer as _EpxBuffer
@@ -195,27 +197,35 @@ class ElasticBuffer:
 
     # ------------------------------------------------------------ the epx buffers
 
-    def _buffers(self, shape, op, problem):
-        """The epx buffers for shape (hidden, num_experts, num_topk, max_tokens), made
-        (collectively) when the current ones are of another shape. `problem`: this rank's
-        argument error (shape None), which fails the call on every rank: through the
-        current buffer (its abort tells the peers, inside their operation), or, when
-        buffers are to be made, through a vote before making them (so that no rank waits
-        in the making for one that raised)."""
-        if problem is None and shape == self._shape and self._main is not None and \
-                not self._main_failed():
-            return self._main, self._side
+    def _agree(self, shape, op, problem):
+        """Start of every fresh dispatch: the ranks exchange their verdicts on the host
+        (this rank's argument error or None, its buffers' failure, the shape (hidden,
+        num_experts, num_topk, max_tokens)), so a mistake on one rank fails the call on
+        every rank before any epx operation, and all ranks agree on whether to make the
+        buffers again (another shape, or a failure anywhere). Returns (main, side)."""
         group = self._group()
-        if self._main is not None and problem is not None and not self._main_failed():
-            self._refuse("%s: %s" % (op, problem))
-        # Every rank is here to make buffers (or to refuse): agree first.
-        verdicts = group.allgather(b"\x01" if problem is None else b"\x00")
-        bad = [r for r, v in enumerate(verdicts) if v != b"\x01"]
+        mine = struct.pack("<BB4q", problem is None, self._main_failed(), *(shape or (0,) * 4))
+        votes = [struct.unpack("<BB4q", v) for v in group.allgather(mine)]
+        bad = [r for r, v in enumerate(votes) if not v[0]]
         if bad:
             if problem is not None:
                 raise invalid_argument("%s: %s" % (op, problem))
             raise EpxError(Status.ERR_REMOTE, "%s: rank %d refused its arguments (see its "
-                           "error); no buffer was made" % (op, bad[0]))
+                           "error there)" % (op, bad[0]))
+        shapes = {v[2:] for v in votes}
+        if len(shapes) > 1:
+            raise invalid_argument("%s: the ranks differ in (hidden, num_experts, num_topk, "
+                                   "num_max_tokens_per_rank): %s"
+                                   % (op, ", ".join("rank %d %s" % (r, v[2:])
+                                                    for r, v in enumerate(votes))))
+        any_failed = any(v[1] for v in votes)
+        if shape == self._shape and self._main is not None and not any_failed:
+            return self._main, self._side
+        if any_failed and self._main is not None:
+            # Healthy here, failed elsewhere: fail them here too, so that every rank frees
+            # its buffers locally (destroying a healthy buffer is collective).
+            self._fail_buffers(EpxError(Status.ERR_REMOTE, "%s: a peer's buffers failed"
+                                        % op))
         self._release_buffers()
         hidden, num_experts, num_topk, max_tokens = shape
         num_sms = _V1Buffer.num_sms
@@ -262,22 +272,47 @@ class ElasticBuffer:
             self._fail_buffers(error)  # made again by the next dispatch
         raise error
 
-    def _check_stats(self, stats, local):
-        if stats is not None and tuple(int(d) for d in stats.shape) != (local,):
-            self._refuse("ElasticBuffer.dispatch: cumulative_local_expert_recv_stats has shape "
-                         "%s, expected [%d] (the local experts)" % (tuple(stats.shape), local))
+    def _fresh_problem(self, x, topk_idx, num_experts, tokens, alignment):
+        if isinstance(x, RawBits):
+            return ("x: raw bits (epx.raw_bits) are not taken here; pass a torch tensor or a "
+                    "NumPy array of ml_dtypes.bfloat16 / float8_e4m3fn")
+        ops.framework_name(x, "dispatch")
+        if topk_idx is None:
+            return "topk_idx is required without a handle"
+        if num_experts is None:
+            return "num_experts is required without a handle"
+        if tokens <= 0:
+            return "num_max_tokens_per_rank is needed (here or at construction)"
+        if alignment < 1:
+            return "expert_alignment must be >= 1, not %d" % alignment
+        if int(num_experts) <= 0 or int(num_experts) % self.num_ranks != 0:
+            return "num_experts %d is not a positive multiple of the %d ranks" % (
+                int(num_experts), self.num_ranks)
+        if len(x.shape) != 2 or len(topk_idx.shape) != 2:
+            return "x and topk_idx must be 2-D, not %s and %s" % (tuple(x.shape),
+                                                                tuple(topk_idx.shape))
+        return None
 
-    def _check_distinct(self, idx):
+    @staticmethod
+    def _stats_problem(stats, local):
+        if stats is not None and tuple(int(d) for d in stats.shape) != (local,):
+            return ("cumulative_local_expert_recv_stats has shape %s, expected [%d] (the "
+                    "local experts)" % (tuple(stats.shape), local))
+        return None
+
+    @staticmethod
+    def _distinct_problem(idx):
         """Each token's experts must differ: the expanded layout has one row per (token,
         expert), and epx counts a token once per expert."""
+        if idx.shape[1] < 2:
+            return None
         valid = np.where(idx >= 0, idx, -1 - np.arange(idx.shape[1]))
         ordered = np.sort(valid, axis=1)
-        twice = np.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))[0] \
-            if idx.shape[1] > 1 else []
+        twice = np.nonzero((ordered[:, 1:] == ordered[:, :-1]).any(axis=1))[0]
         if len(twice):
-            self._refuse("ElasticBuffer.dispatch: topk_idx names an expert twice in token %d "
-                         "(%s); each token's experts must differ"
-                         % (int(twice[0]), idx[int(twice[0])].tolist()))
+            return ("topk_idx names an expert twice in token %d (%s); each token's experts "
+                    "must differ" % (int(twice[0]), idx[int(twice[0])].tolist()))
+        return None
 
     def _release_buffers(self):
         buffers, self._main, self._side, self._shape = (self._main, self._side), None, None, \
@@ -310,44 +345,33 @@ class ElasticBuffer:
         num_max_tokens_per_rank rows, padded with -1 ids and zeros); epx still waits for
         the counts on the host. With handle: the same routing (topk_idx must be None).
         """
-        x_main, x_sf = x if isinstance(x, tuple) else (x, None)
-        if isinstance(x_main, RawBits):
-            self._refuse("ElasticBuffer.dispatch: x: raw bits (epx.raw_bits) are not taken "
-                         "here; pass a torch tensor or a NumPy array of ml_dtypes.bfloat16 / "
-                         "float8_e4m3fn")
-        ops.framework_name(x_main, "dispatch")
-        if previous_event is not None:
-            previous_event.current_stream_wait()
         if handle is not None:
-            return self._dispatch_cached(x_main, x_sf, topk_idx, topk_weights, handle,
-                                         num_experts, num_max_tokens_per_rank,
-                                         expert_alignment, do_cpu_sync, do_expand,
+            return self._dispatch_cached(x, topk_idx, topk_weights, handle, num_experts,
+                                         num_max_tokens_per_rank, expert_alignment,
+                                         do_cpu_sync, do_expand, previous_event,
                                          use_tma_aligned_col_major_sf,
                                          cumulative_local_expert_recv_stats,
                                          async_with_compute_stream)
+        op = "ElasticBuffer.dispatch"
         tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else int(num_max_tokens_per_rank)
         alignment = 1 if expert_alignment is None else int(expert_alignment)
-        problem = None
-        if topk_idx is None:
-            problem = "topk_idx is required without a handle"
-        elif num_experts is None:
-            problem = "num_experts is required without a handle"
-        elif tokens <= 0:
-            problem = "num_max_tokens_per_rank is needed (here or at construction)"
-        elif alignment < 1:
-            problem = "expert_alignment must be >= 1, not %d" % alignment
-        elif int(num_experts) <= 0 or int(num_experts) % self.num_ranks != 0:
-            problem = "num_experts %d is not a positive multiple of the %d ranks" % (
-                int(num_experts), self.num_ranks)
-        shape = None if problem else (int(x_main.shape[1]), int(num_experts),
-                                      int(topk_idx.shape[1]), tokens)
-        main, side = self._buffers(shape, "ElasticBuffer.dispatch", problem)
-        num_experts, num_topk = int(num_experts), int(topk_idx.shape[1])
-        local = num_experts // self.num_ranks
-        idx_in = ops.to_host(topk_idx).astype(np.int64)
-        self._check_stats(cumulative_local_expert_recv_stats, local)
-        self._check_distinct(idx_in)
+        problem, shape = None, None
+        try:  # every argument error here becomes this rank's verdict in _agree
+            x_main, x_sf = x if isinstance(x, tuple) else (x, None)
+            problem = self._fresh_problem(x_main, topk_idx, num_experts, tokens, alignment)
+            if problem is None:
+                num_experts, num_topk = int(num_experts), int(topk_idx.shape[1])
+                local = num_experts // self.num_ranks
+                idx_in = ops.to_host(topk_idx).astype(np.int64)
+                problem = self._stats_problem(cumulative_local_expert_recv_stats, local) or \
+                    self._distinct_problem(idx_in)
+                shape = (int(x_main.shape[1]), num_experts, num_topk, tokens)
+        except Exception as error:  # noqa: BLE001 - reported on every rank below
+            problem = "%s: %s" % (type(error).__name__, error)
+        main, side = self._agree(None if problem else shape, op, problem)
+        if previous_event is not None:
+            previous_event.current_stream_wait()
 
         recv_x, recv_idx, recv_w, counts, epx_handle, _ = self._collective(
             main.dispatch, x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
@@ -422,43 +446,59 @@ class ElasticBuffer:
                          "buffer's, or a dispatch of another shape or a failed call made new "
                          "ones)" % op)
 
-    def _dispatch_cached(self, x, x_sf, topk_idx, topk_weights, handle, num_experts,
+    def _dispatch_cached(self, x, topk_idx, topk_weights, handle, num_experts,
                          num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand,
-                         col_major_sf, stats, async_finish):
+                         previous_event, col_major_sf, stats, async_finish):
         op = "ElasticBuffer.dispatch"
         self._check_handle(handle, op)
-        given = (handle.num_experts if num_experts is None else int(num_experts),
-                 handle.expert_alignment if expert_alignment is None else int(expert_alignment),
-                 handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
-                 else int(num_max_tokens_per_rank))
-        if topk_idx is not None:
-            self._refuse(op + ": cached mode (handle given) takes no topk_idx, as DeepEP")
-        if do_cpu_sync:
-            self._refuse(op + ": cannot do CPU sync with a cached handle, as DeepEP")
-        if stats is not None:
-            self._refuse(op + ": cumulative_local_expert_recv_stats is not taken in cached "
-                         "mode (the rows were counted by the dispatch that made the handle)")
-        if given != (handle.num_experts, handle.expert_alignment,
-                     handle.num_max_tokens_per_rank):
-            self._refuse(op + ": num_experts, expert_alignment and num_max_tokens_per_rank "
-                         "must be the handle's")
+        problem = None
+        try:
+            x_main, x_sf = x if isinstance(x, tuple) else (x, None)
+            given = (handle.num_experts if num_experts is None else int(num_experts),
+                     handle.expert_alignment if expert_alignment is None
+                     else int(expert_alignment),
+                     handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                     else int(num_max_tokens_per_rank))
+            if isinstance(x_main, RawBits):
+                problem = "x: raw bits (epx.raw_bits) are not taken here"
+            elif topk_idx is not None:
+                problem = "cached mode (handle given) takes no topk_idx, as DeepEP"
+            elif do_cpu_sync:
+                problem = "cannot do CPU sync with a cached handle, as DeepEP"
+            elif stats is not None:
+                problem = ("cumulative_local_expert_recv_stats is not taken in cached mode (the "
+                           "rows were counted by the dispatch that made the handle)")
+            elif given != (handle.num_experts, handle.expert_alignment,
+                           handle.num_max_tokens_per_rank):
+                problem = ("num_experts, expert_alignment and num_max_tokens_per_rank must be "
+                           "the handle's")
+            elif bool(do_expand) != handle.do_expand:
+                problem = ("do_expand=%s with a handle of do_expand=%s (combine follows the "
+                           "handle's layout)" % (bool(do_expand), handle.do_expand))
+            else:
+                ops.framework_name(x_main, "dispatch")
+        except Exception as error:  # noqa: BLE001 - fails the call on every rank
+            problem = "%s: %s" % (type(error).__name__, error)
+        if problem is not None:
+            self._refuse("%s: %s" % (op, problem))
+        if previous_event is not None:
+            previous_event.current_stream_wait()
         main = handle._main
-        x_in = (x, x_sf) if x_sf is not None else x
         if topk_weights is not None:
             # epx's cached dispatch moves rows only; with weights, a fresh epx dispatch of
             # the handle's top-k (the same routing, so the same rows in the same order).
             recv_x, _, recv_w, _, fresh, _ = self._collective(
-                main.dispatch, x_in, topk_idx=handle.topk_idx, topk_weights=topk_weights,
+                main.dispatch, x, topk_idx=handle.topk_idx, topk_weights=topk_weights,
                 expert_alignment=handle.expert_alignment, copy=True)
             fresh.destroy()
         else:
-            recv_x, _, _, _, _, _ = self._collective(main.dispatch, x_in, handle=handle._epx,
+            recv_x, _, _, _, _, _ = self._collective(main.dispatch, x, handle=handle._epx,
                                                      copy=True)
             recv_w = None
         recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         outputs = self._shape_outputs(recv_x_main, recv_sf, handle._recv_topk_idx, recv_w,
                                       handle, do_expand, col_major_sf)
-        return outputs + (handle, self._event(x, async_finish))
+        return outputs + (handle, self._event(x_main, async_finish))
 
     def _shape_outputs(self, recv_x, recv_sf, recv_idx, recv_w, handle, do_expand,
                        col_major_sf):
@@ -502,14 +542,31 @@ class ElasticBuffer:
 
     @staticmethod
     def _unpack_bias(bias):
-        if bias is None:
-            return None
-        if isinstance(bias, tuple):
-            if len(bias) != 2:
-                raise invalid_argument("ElasticBuffer.combine: bias must be a tensor or a "
-                                       "pair of tensors")
-            return bias
+        if isinstance(bias, tuple) and len(bias) != 2:
+            raise ValueError("bias must be a tensor or a pair of tensors, not %d" % len(bias))
         return bias
+
+    @staticmethod
+    def _combine_problem(x, handle, topk_weights):
+        if isinstance(x, RawBits):
+            return "x: raw bits (epx.raw_bits) are not taken here"
+        ops.framework_name(x, "combine")
+        if handle.do_expand:
+            allowed = {handle._expansion.rows, handle.num_expanded_tokens}
+            what = "the handle's expanded rows"
+        else:
+            allowed = {handle._received, handle.num_recv_tokens}
+            what = "the handle's received rows"
+        rows = int(x.shape[0])
+        if rows not in allowed:
+            return "x has %d rows, expected %s (%s)" % (
+                rows, " or ".join(str(r) for r in sorted(allowed)), what)
+        if topk_weights is not None:
+            want = (rows,) if handle.do_expand else (rows, int(handle.topk_idx.shape[1]))
+            if tuple(int(d) for d in topk_weights.shape) != want:
+                return "topk_weights has shape %s, expected %s" % (
+                    tuple(topk_weights.shape), want)
+        return None
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0,
                 previous_event=None, previous_event_before_epilogue=None,
@@ -526,42 +583,37 @@ class ElasticBuffer:
         across nodes per node first)."""
         op = "ElasticBuffer.combine"
         self._check_handle(handle, op)
-        if isinstance(x, RawBits):
-            self._refuse(op + ": x: raw bits (epx.raw_bits) are not taken here")
-        ops.framework_name(x, "combine")
+        if handle.do_expand and not self.allow_multiple_reduction:
+            # The same on every rank (a constructor argument): no rank enters the combine.
+            raise NotImplementedError(
+                "ElasticBuffer.combine: the expanded layout with allow_multiple_reduction=False "
+                "(one reduction over every top-k entry) is not supported: epx sums each rank's "
+                "rows before the ranks' sums")
+        problem = None
+        try:
+            problem = self._combine_problem(x, handle, topk_weights)
+            bias = self._unpack_bias(bias)
+        except Exception as error:  # noqa: BLE001 - fails the call on every rank
+            problem = "%s: %s" % (type(error).__name__, error)
+        if problem is not None:
+            self._refuse("%s: %s" % (op, problem))
         if previous_event is not None:
             previous_event.current_stream_wait()
         n = handle._received
-        if handle.do_expand:
-            if not self.allow_multiple_reduction:
-                raise NotImplementedError(
-                    "ElasticBuffer.combine: the expanded layout with "
-                    "allow_multiple_reduction=False (one reduction over every top-k entry) is "
-                    "not supported: epx sums each rank's rows before the ranks' sums")
-            allowed = {handle._expansion.rows, handle.num_expanded_tokens}
-            what = "the handle's expanded rows"
-        else:
-            allowed = {n, handle.num_recv_tokens}
-            what = "the handle's received rows"
-        rows_given = int(x.shape[0])
-        if rows_given not in allowed:
-            self._refuse("%s: x has %d rows, expected %s (%s)"
-                         % (op, rows_given, " or ".join(str(r) for r in sorted(allowed)), what))
-        if topk_weights is not None:
-            want = (rows_given,) if handle.do_expand else (rows_given, int(handle.topk_idx.shape[1]))
-            if tuple(int(d) for d in topk_weights.shape) != want:
-                self._refuse("%s: topk_weights has shape %s, expected %s"
-                             % (op, tuple(topk_weights.shape), want))
-        if handle.do_expand:
-            slots = handle._expansion.slots
-            rows = ops.reduce_expanded(x, slots, int(x.shape[1]))
-            weights = ops.weights_of_slots(topk_weights, slots) \
-                if topk_weights is not None else None
-        else:
-            rows = x[:n]
-            weights = topk_weights[:n] if topk_weights is not None else None
+        try:
+            if handle.do_expand:
+                slots = handle._expansion.slots
+                rows = ops.reduce_expanded(x, slots, int(x.shape[1]))
+                weights = ops.weights_of_slots(topk_weights, slots) \
+                    if topk_weights is not None else None
+            else:
+                rows = x[:n]
+                weights = topk_weights[:n] if topk_weights is not None else None
+        except Exception as error:
+            self._fail_buffers(EpxError(Status.ERR_INVALID_ARG, "%s: %s" % (op, error)))
+            raise
         combined_x, combined_w, _ = self._collective(handle._main.combine, rows, handle._epx,
-                                                     weights, self._unpack_bias(bias))
+                                                     weights, bias)
         return combined_x, combined_w, self._event(x, async_with_compute_stream)
 
     # ------------------------------------------------------------ not epx's

@@ -85,13 +85,10 @@ class LowLatencyMethods:
         """DeepEP's low_latency_combine: (combined_x, event, hook).
 
         use_logfmt (DeepEP's lossy 10-bit combine format, to send fewer bytes): epx sends
-        the bf16 rows and sums them exactly as without it; a warning says so once per
-        process. With zero_copy it is refused, as DeepEP refuses it."""
+        the bf16 rows and sums them exactly as without it (with zero_copy too, which
+        DeepEP refuses); a warning says so once per process."""
         buffer = self._ll_buffer_of(handle, "low_latency_combine")
         if use_logfmt:
-            if zero_copy:
-                raise invalid_argument("low_latency_combine: use_logfmt cannot be combined with "
-                                       "zero_copy (as DeepEP)")
             _warn_logfmt_once()
         return buffer.low_latency_combine(x, topk_idx, topk_weights, handle, False,
                                           zero_copy, async_finish, return_recv_hook, out,
