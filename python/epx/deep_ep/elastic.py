@@ -616,48 +616,24 @@ class ElasticBuffer:
                                                      weights, bias)
         return combined_x, combined_w, self._event(x, async_with_compute_stream)
 
-    # ------------------------------------------------------------ not epx's
-
-    def _not_epx(self, what):
-        raise NotImplementedError("deep_ep.ElasticBuffer.%s is not supported by epx (it moves "
-                                  "MoE dispatch and combine only)" % what)
-
-    def engram_write(self, *args, **kwargs):
-        self._not_epx("engram_write")
-
-    def engram_fetch(self, *args, **kwargs):
-        self._not_epx("engram_fetch")
-
-    def pp_set_config(self, *args, **kwargs):
-        self._not_epx("pp_set_config")
-
-    def pp_send(self, *args, **kwargs):
-        self._not_epx("pp_send")
-
-    def pp_recv(self, *args, **kwargs):
-        self._not_epx("pp_recv")
-
-    def create_agrs_session(self, *args, **kwargs):
-        self._not_epx("create_agrs_session")
-
-    def destroy_agrs_session(self, *args, **kwargs):
-        self._not_epx("destroy_agrs_session")
-
-    def agrs_new_session(self, *args, **kwargs):
-        self._not_epx("agrs_new_session")
-
-    def agrs_set_config(self, *args, **kwargs):
-        self._not_epx("agrs_set_config")
-
-    def agrs_get_inplace_tensor(self, *args, **kwargs):
-        self._not_epx("agrs_get_inplace_tensor")
-
-    def all_gather(self, *args, **kwargs):
-        self._not_epx("all_gather")
-
     def __repr__(self):
         return ("deep_ep.ElasticBuffer(epx, rank=%d of %d, shape %s)"
                 % (self.rank_idx, self.num_ranks, self._shape))
+
+
+def _not_epx(name):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError("deep_ep.ElasticBuffer.%s is not supported by epx (it moves "
+                                  "MoE dispatch and combine only)" % name)
+    method.__name__ = name
+    return method
+
+
+# DeepEP V2's Engram, pipeline send/recv and all-gather / reduce-scatter calls.
+for _name in ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_recv",
+              "create_agrs_session", "destroy_agrs_session", "agrs_new_session",
+              "agrs_set_config", "agrs_get_inplace_tensor", "all_gather"):
+    setattr(ElasticBuffer, _name, _not_epx(_name))
 
 
 def _copy(tensor):
