@@ -382,15 +382,19 @@ def test_without_num_nvl_bytes(group):
 
 @pytest.mark.parametrize("use_fp8", [False, True])
 @pytest.mark.parametrize("return_recv_hook", [False, True])
-def test_low_latency(group, tensors1, use_fp8, return_recv_hook):
-    """DeepEP's test_low_latency flow through deep_ep against epx.Buffer's own results."""
+@pytest.mark.parametrize("shrink", [False, True])
+def test_low_latency(group, tensors1, use_fp8, return_recv_hook, shrink):
+    """DeepEP's test_low_latency flow through deep_ep against epx.Buffer's own results.
+    With enable_shrink (and the hint's bytes) the low-latency buffer is made by the
+    constructor, for up to 11 experts a token (the calls' top-k padded with -1)."""
     tensors = tensors1
     case = LowLatencyCase(group.world_size)
     m = case.max_tokens
     hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(m, case.hidden, group.world_size,
                                                           case.num_experts)
     buffer = make_buffer(group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True,
-                         num_qps_per_rank=case.experts_per_rank)
+                         num_qps_per_rank=case.experts_per_rank, enable_shrink=shrink)
+    assert (buffer._ll is not None) == shrink
     reference = epx.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m,
                            hidden=case.hidden, num_experts=case.num_experts,
                            num_topk=case.num_topk)

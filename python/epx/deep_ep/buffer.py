@@ -26,6 +26,8 @@ from .low_latency import LowLatencyMethods
 
 # Tokens per rank of an epx normal-mode buffer at most (its config's limit).
 _MAX_TOKENS_PER_RANK = 1 << 24
+# get_low_latency_rdma_size_hint's answers in this process: bytes -> (M, hidden, R, E).
+_LOW_LATENCY_HINTS = {}
 
 
 class DispatchHandle(tuple):
@@ -99,7 +101,10 @@ class Buffer(LowLatencyMethods):
     num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric: accepted;
         they tune transports epx does not use.
     explicitly_destroy: destroy() must be called (and is refused otherwise, as DeepEP's).
-    enable_shrink: accepted: epx buffers can always mask ranks.
+    enable_shrink: epx buffers can always mask ranks; with it, and num_rdma_bytes from
+        get_low_latency_rdma_size_hint, the low-latency buffer is made here (collectively,
+        for that shape and up to 11 experts per token, DeepEP's limit), so that a rank
+        absent from the first low_latency_dispatch is masked like any silent peer.
     """
 
     num_sms = 20
@@ -122,6 +127,8 @@ class Buffer(LowLatencyMethods):
         self._normal_shape = None  # (hidden, num_experts, num_topk) it was made for
         self._layout_shape = None  # (num_experts, num_topk) of the last get_dispatch_layout
         self._init_low_latency()
+        if self.low_latency_mode and self.enable_shrink:
+            self._make_low_latency_early(_LOW_LATENCY_HINTS.get(self.num_rdma_bytes))
 
     # ------------------------------------------------------------ lifetime
 
@@ -177,10 +184,15 @@ class Buffer(LowLatencyMethods):
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
                                        num_experts):
-        """Bytes of epx low-latency memory per rank for this shape (rows sized for bf16)."""
+        """Bytes of epx low-latency memory per rank for this shape (rows sized for bf16).
+        The shape is remembered with the bytes: a Buffer made with enable_shrink and these
+        num_rdma_bytes makes its low-latency buffer for it at once (low_latency.py)."""
         from .config import low_latency_bytes
-        return low_latency_bytes(int(num_max_dispatch_tokens_per_rank), int(hidden),
-                                 int(num_experts))
+        shape = (int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
+                 int(num_experts))
+        size = low_latency_bytes(shape[0], shape[1], shape[3])
+        _LOW_LATENCY_HINTS[size] = shape
+        return size
 
     @staticmethod
     def get_dispatch_config(num_ranks):
