@@ -380,6 +380,37 @@ def test_without_num_nvl_bytes(group):
 # ---------------------------------------------------------------- low-latency mode
 
 
+def test_shrink_buffer_made_early_then_another_shape(group, tensors1):
+    """enable_shrink: the constructor makes the low-latency buffer for the hinted shape; a
+    call of another shape makes a new one (collectively), and clean (collective in this
+    mode: a dispatch of no tokens) works after it. A hint of several shapes for the same
+    bytes leaves the making to the first call, with a warning."""
+    tensors = tensors1
+    case = LowLatencyCase(group.world_size)
+    m, world = case.max_tokens, group.world_size
+    hint = deep_ep.Buffer.get_low_latency_rdma_size_hint(m, case.hidden, world,
+                                                          case.num_experts)
+    buffer = make_buffer(group, num_nvl_bytes=0, num_rdma_bytes=hint, low_latency_mode=True,
+                         enable_shrink=True)
+    assert buffer._ll is not None
+    x, idx, w = case.inputs(group.rank)
+    wide = np.concatenate([x, x], axis=1)
+    recv, count, handle, _, _ = buffer.low_latency_dispatch(
+        tensors.put(wide), tensors.put(idx), m, case.num_experts, use_fp8=False)
+    assert buffer._ll_shape == (m, 2 * case.hidden, case.num_experts, case.num_topk)
+    buffer.clean_low_latency_buffer(m, 2 * case.hidden, case.num_experts)
+    buffer.destroy()
+    # The same bytes for (M, E) and (E, M): ambiguous, so made by the first call.
+    a = deep_ep.Buffer.get_low_latency_rdma_size_hint(2, 256, world, 4 * world)
+    b = deep_ep.Buffer.get_low_latency_rdma_size_hint(4 * world, 256, world, 2)
+    assert a == b
+    with pytest.warns(UserWarning, match="several shapes"):
+        buffer = make_buffer(group, num_nvl_bytes=0, num_rdma_bytes=a, low_latency_mode=True,
+                             enable_shrink=True)
+    assert buffer._ll is None
+    buffer.destroy()
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 @pytest.mark.parametrize("return_recv_hook", [False, True])
 @pytest.mark.parametrize("shrink", [False, True])

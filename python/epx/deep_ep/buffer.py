@@ -26,7 +26,7 @@ from .low_latency import LowLatencyMethods
 
 # Tokens per rank of an epx normal-mode buffer at most (its config's limit).
 _MAX_TOKENS_PER_RANK = 1 << 24
-# get_low_latency_rdma_size_hint's answers in this process: bytes -> (M, hidden, R, E).
+# get_low_latency_rdma_size_hint's answers in this process: bytes -> {(M, hidden, R, E)}.
 _LOW_LATENCY_HINTS = {}
 
 
@@ -186,12 +186,13 @@ class Buffer(LowLatencyMethods):
                                        num_experts):
         """Bytes of epx low-latency memory per rank for this shape (rows sized for bf16).
         The shape is remembered with the bytes: a Buffer made with enable_shrink and these
-        num_rdma_bytes makes its low-latency buffer for it at once (low_latency.py)."""
+        num_rdma_bytes makes its low-latency buffer for it at once (low_latency.py), on
+        every rank that called this (all should, as DeepEP's examples do)."""
         from .config import low_latency_bytes
         shape = (int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
                  int(num_experts))
         size = low_latency_bytes(shape[0], shape[1], shape[3])
-        _LOW_LATENCY_HINTS[size] = shape
+        _LOW_LATENCY_HINTS.setdefault(size, set()).add(shape)
         return size
 
     @staticmethod

@@ -68,7 +68,7 @@ class LowLatencyMethods:
         self._ll_masked = set()  # ranks masked before the epx buffer existed
         self._ll_padded = False  # made early: calls' top-k padded to _ll_pad_to entries
         self._ll_pad_to = SHRINK_TOPK
-        self._ll_empty = None    # (x, topk_idx) of no tokens, like the last dispatch's
+        self._ll_empty = None    # (key, x, topk_idx) of no tokens, like the last dispatch's
 
     def _make_low_latency_early(self, hint):
         """enable_shrink: make the low-latency buffer now, while every rank is here, for
@@ -76,13 +76,17 @@ class LowLatencyMethods:
         (at most num_experts; calls with fewer are padded with -1). Without a hint of this group's size it is
         made by the first call, as otherwise (a warning says a rank absent from that call
         would leave the others waiting in the making)."""
-        if hint is None or hint[2] != self.group_size:
-            warnings.warn("deep_ep.Buffer(enable_shrink=True): num_rdma_bytes is not a "
-                          "get_low_latency_rdma_size_hint of this group, so the low-latency "
-                          "buffer is made by the first low_latency_dispatch (every rank must "
-                          "take part in that call)", stacklevel=3)
+        shapes = {s for s in (hint or ()) if s[2] == self.group_size}
+        if len(shapes) != 1:
+            warnings.warn("deep_ep.Buffer(enable_shrink=True): num_rdma_bytes is %s, so the "
+                          "low-latency buffer is made by the first low_latency_dispatch (every "
+                          "rank must take part in that call)"
+                          % ("the hint of several shapes %s" % sorted(shapes) if shapes else
+                             "not a get_low_latency_rdma_size_hint of this group's size "
+                             "(every rank calls it, as DeepEP's examples do)"),
+                          stacklevel=3)
             return
-        m, hidden, _, num_experts = hint
+        m, hidden, _, num_experts = shapes.pop()
         self._ll_pad_to = min(SHRINK_TOPK, num_experts)  # epx: at most num_experts
         self._low_latency_buffer(m, hidden, num_experts, self._ll_pad_to)
         self._ll_padded = True
@@ -109,7 +113,7 @@ class LowLatencyMethods:
         if self._ll is not None:
             self._ll_masked.update(self._ll.get_masked_ranks())
             self._ll.destroy()
-            self._ll = self._ll_shape = None
+            self._ll = self._ll_shape = self._ll_empty = None
         self._ll = _EpxBuffer(self._group(), low_latency_mode=True,
                               num_max_dispatch_tokens_per_rank=m, hidden=hidden,
                               num_experts=num_experts, num_topk=num_topk)
@@ -141,9 +145,11 @@ class LowLatencyMethods:
         shape = (int(num_max_dispatch_tokens_per_rank), int(x.shape[1]), int(num_experts))
         topk_idx, _, num_topk = self._pad_topk(shape, topk_idx)
         buffer = self._low_latency_buffer(shape[0], shape[1], shape[2], num_topk)
-        if self.enable_shrink and self._ll_empty is None:
-            self._ll_empty = (_empty_like(x, int(x.shape[1])),
-                              _empty_like(topk_idx, int(topk_idx.shape[1])))
+        if self.enable_shrink:
+            key = (type(x), str(getattr(x, "device", "cpu")), str(x.dtype), int(x.shape[1]),
+                   int(topk_idx.shape[1]))
+            if self._ll_empty is None or self._ll_empty[0] != key:
+                self._ll_empty = (key, _empty_like(x, key[3]), _empty_like(topk_idx, key[4]))
         return self._shrink_tolerant(4, lambda: buffer.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
             cumulative_local_expert_recv_stats, None, use_fp8, round_scale, use_ue8m0,
@@ -199,7 +205,7 @@ class LowLatencyMethods:
         if self._ll is None:
             return
         if self.enable_shrink and self._ll_empty is not None:
-            x, idx = self._ll_empty
+            _, x, idx = self._ll_empty
             m = self._ll_shape[0]
             self._shrink_tolerant(4, lambda: self._ll.low_latency_dispatch(
                 x, idx, m, self._ll_shape[2], use_fp8=False))
