@@ -317,6 +317,32 @@ def test_combine_bias(group, tensors):
     buffer.destroy()
 
 
+def test_combine_input_mapped_on_demand(group, tensors, monkeypatch):
+    """The normal-mode buffer reads combine's x in place (auto_register on), unless
+    EPX_AUTO_REGISTER says otherwise; the results are the same either way."""
+    case = make_case(group, seed=15)
+    x, _, idx, w = case.inputs(group.rank)
+    for env, want in ((None, 1), ("0", 0)):
+        if env is None:
+            monkeypatch.delenv("EPX_AUTO_REGISTER", raising=False)
+        else:
+            monkeypatch.setenv("EPX_AUTO_REGISTER", env)
+        buffer = make_buffer(group)
+        per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
+        recv_x, _, _, _, handle, _ = buffer.dispatch(
+            tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx),
+            topk_weights=tensors.put(w))
+        assert buffer._normal._config.auto_register == want
+        want_rows = check_recv(tensors, case, group.rank, recv_x, None, None,
+                               case.dispatch(group.rank)["counts"], handle)
+        rows = case.combine_input(group.rank, want_rows["src"], lambda s: case.inputs(s)[0])
+        combined, _, _ = buffer.combine(tensors.put(rows), handle)
+        want_x, _ = case.combine(group.rank, lambda s: case.inputs(s)[0])
+        assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+        buffer.destroy()
+
+
 def test_internode_names(group, tensors):
     """internode_dispatch and internode_combine (which DeepEP's dispatch and combine call
     across nodes) are dispatch and combine, on one node as across nodes."""

@@ -12,6 +12,7 @@ docs/PYTHON.md ("DeepEP drop-in") lists what differs from DeepEP.
 """
 
 import ctypes
+import os
 
 from .. import _capi, _dlpack
 from ..buffer import Buffer as _EpxBuffer
@@ -288,8 +289,13 @@ class Buffer(LowLatencyMethods):
             self._normal.destroy()
             self._normal = self._normal_shape = None
         num_sms = config.num_sms if config is not None else Buffer.num_sms
+        # DeepEP's combine takes the expert outputs, a tensor outside the buffer: mapped
+        # for the peers on demand and read in place (not copied in), unless
+        # EPX_AUTO_REGISTER says otherwise (docs/DESIGN.md section 7).
+        auto = None if os.environ.get("EPX_AUTO_REGISTER", "") != "" else True
         self._normal = _EpxBuffer(group, max_tokens_per_rank=tokens, hidden=hidden,
-                                  num_experts=num_experts, num_topk=num_topk, num_sms=num_sms)
+                                  num_experts=num_experts, num_topk=num_topk, num_sms=num_sms,
+                                  auto_register=auto)
         self._normal_shape = (hidden, num_experts, num_topk)
         return self._normal
 
