@@ -321,18 +321,13 @@ def test_combine_input_mapped_on_demand(group, tensors, monkeypatch):
     """The normal-mode buffer reads combine's x in place (auto_register on), unless
     EPX_AUTO_REGISTER says otherwise; the results are the same either way."""
     case = make_case(group, seed=15)
-    x, _, idx, w = case.inputs(group.rank)
     for env, want in ((None, 1), ("0", 0)):
         if env is None:
             monkeypatch.delenv("EPX_AUTO_REGISTER", raising=False)
         else:
             monkeypatch.setenv("EPX_AUTO_REGISTER", env)
         buffer = make_buffer(group)
-        per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
-        recv_x, _, _, _, handle, _ = buffer.dispatch(
-            tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx),
-            topk_weights=tensors.put(w))
+        (recv_x, _, _, _, handle, _), _ = dispatch_by_topk(buffer, tensors, case, group.rank)
         assert buffer._normal._config.auto_register == want
         want_rows = check_recv(tensors, case, group.rank, recv_x, None, None,
                                case.dispatch(group.rank)["counts"], handle)
