@@ -318,14 +318,12 @@ def test_combine_bias(group, tensors):
 
 
 def test_combine_input_mapped_on_demand(group, tensors, monkeypatch):
-    """The normal-mode buffer reads combine's x in place (auto_register on), unless
-    EPX_AUTO_REGISTER says otherwise; the results are the same either way."""
+    """The normal-mode buffer reads combine's x in place (Buffer.auto_register True, the
+    default), copies it in (False) or follows EPX_AUTO_REGISTER (None); the results are
+    the same either way."""
     case = make_case(group, seed=15)
-    for env, want in ((None, 1), ("0", 0)):
-        if env is None:
-            monkeypatch.delenv("EPX_AUTO_REGISTER", raising=False)
-        else:
-            monkeypatch.setenv("EPX_AUTO_REGISTER", env)
+    for setting, want in ((True, 1), (False, -1), (None, 0)):
+        monkeypatch.setattr(deep_ep.Buffer, "auto_register", setting)
         buffer = make_buffer(group)
         (recv_x, _, _, _, handle, _), _ = dispatch_by_topk(buffer, tensors, case, group.rank)
         assert buffer._normal._config.auto_register == want

@@ -12,7 +12,6 @@ docs/PYTHON.md ("DeepEP drop-in") lists what differs from DeepEP.
 """
 
 import ctypes
-import os
 
 from .. import _capi, _dlpack
 from ..buffer import Buffer as _EpxBuffer
@@ -109,6 +108,9 @@ class Buffer(LowLatencyMethods):
     """
 
     num_sms = 20
+    # The normal-mode buffers' config.auto_register: True (epx.deep_ep's default) reads
+    # combine's x in place, False copies it in, None follows EPX_AUTO_REGISTER.
+    auto_register = True
 
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
                  num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
@@ -290,12 +292,11 @@ class Buffer(LowLatencyMethods):
             self._normal = self._normal_shape = None
         num_sms = config.num_sms if config is not None else Buffer.num_sms
         # DeepEP's combine takes the expert outputs, a tensor outside the buffer: mapped
-        # for the peers on demand and read in place (not copied in), unless
-        # EPX_AUTO_REGISTER says otherwise (docs/DESIGN.md section 7).
-        auto = None if os.environ.get("EPX_AUTO_REGISTER", "") != "" else True
+        # for the peers on demand and read in place, not copied in (Buffer.auto_register;
+        # docs/DESIGN.md section 7).
         self._normal = _EpxBuffer(group, max_tokens_per_rank=tokens, hidden=hidden,
                                   num_experts=num_experts, num_topk=num_topk, num_sms=num_sms,
-                                  auto_register=auto)
+                                  auto_register=Buffer.auto_register)
         self._normal_shape = (hidden, num_experts, num_topk)
         return self._normal
 
