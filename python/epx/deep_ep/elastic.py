@@ -229,8 +229,10 @@ class ElasticBuffer:
         self._release_buffers()
         hidden, num_experts, num_topk, max_tokens = shape
         num_sms = _V1Buffer.num_sms
+        # combine's x is the caller's tensor: read in place (deep_ep.Buffer.auto_register).
         self._main = _EpxBuffer(group, max_tokens_per_rank=max_tokens, hidden=hidden,
-                                num_experts=num_experts, num_topk=num_topk, num_sms=num_sms)
+                                num_experts=num_experts, num_topk=num_topk, num_sms=num_sms,
+                                auto_register=_V1Buffer.auto_register)
         self._side = _EpxBuffer(group, max_tokens_per_rank=max_tokens,
                                 hidden=ops.META_HIDDEN, num_experts=num_experts,
                                 num_topk=num_topk, num_sms=num_sms)
