@@ -11,18 +11,10 @@ import importlib
 
 import numpy as np
 
-from .. import _frameworks
+from ._ops import framework_name
 
 # DeepEP V2's column-major scales: each column's stride rounded up to this many rows.
 SF_COLUMN_ALIGNMENT = 4
-
-
-def framework_name(tensor, what):
-    name = _frameworks.of(tensor).name
-    if name not in ("numpy", "torch"):
-        raise NotImplementedError("epx.deep_ep.ElasticBuffer: %s is implemented for NumPy "
-                                  "arrays and torch tensors, not %s" % (what, name))
-    return name
 
 
 def align(value, alignment):
@@ -40,7 +32,7 @@ def to_host(tensor):
 
 def like(array, reference):
     """NumPy `array` as a tensor of `reference`'s framework and device."""
-    if framework_name(reference, "an index tensor") == "torch":
+    if framework_name(reference, "ElasticBuffer's index tensors") == "torch":
         torch = importlib.import_module("torch")
         return torch.from_numpy(np.ascontiguousarray(array)).to(reference.device)
     return np.ascontiguousarray(array)
@@ -48,7 +40,7 @@ def like(array, reference):
 
 def zeros(reference, shape):
     """Zeros of `reference`'s dtype, framework and device."""
-    if framework_name(reference, "an output") == "torch":
+    if framework_name(reference, "ElasticBuffer's outputs") == "torch":
         torch = importlib.import_module("torch")
         return torch.zeros(shape, dtype=reference.dtype, device=reference.device)
     return np.zeros(shape, dtype=reference.dtype)
@@ -71,7 +63,7 @@ def column_major(scales):
     rounded up to SF_COLUMN_ALIGNMENT rows (DeepEP's use_tma_aligned_col_major_sf)."""
     rows, packs = int(scales.shape[0]), int(scales.shape[1])
     stride = align(max(rows, 1), SF_COLUMN_ALIGNMENT)
-    if framework_name(scales, "column-major scales") == "torch":
+    if framework_name(scales, "ElasticBuffer's column-major scales") == "torch":
         torch = importlib.import_module("torch")
         store = torch.zeros((packs, stride), dtype=scales.dtype, device=scales.device)
         out = store.t()[:rows]
@@ -82,7 +74,7 @@ def column_major(scales):
 
 
 def as_float(x):
-    if framework_name(x, "combine of the expanded layout") == "torch":
+    if framework_name(x, "ElasticBuffer.combine of the expanded layout") == "torch":
         torch = importlib.import_module("torch")
         return x.to(torch.float32)
     return x.astype(np.float32)
@@ -155,7 +147,7 @@ def reduce_expanded(x, slots, hidden):
         if rows.size:
             acc[like(rows.astype(np.int64), x)] += as_float(
                 x[like(slots[rows, j].astype(np.int64), x)])
-    if framework_name(x, "combine of the expanded layout") == "torch":
+    if framework_name(x, "ElasticBuffer.combine of the expanded layout") == "torch":
         return acc.to(x.dtype)
     return acc.astype(x.dtype)
 
@@ -184,7 +176,7 @@ def source_rows(global_ids, reference):
     lanes = np.zeros((ids.size, META_HIDDEN), dtype=np.uint16)
     lanes[:, 0] = ids & 0xFFFF
     lanes[:, 1] = ids >> 16
-    if framework_name(reference, "the source ids") == "torch":
+    if framework_name(reference, "ElasticBuffer's source ids") == "torch":
         torch = importlib.import_module("torch")
         bits = torch.from_numpy(lanes.view(np.int16)).to(reference.device)
         return bits.view(torch.bfloat16)

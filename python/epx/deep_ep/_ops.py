@@ -12,7 +12,9 @@ import importlib
 from .. import _frameworks
 
 
-def _kind(tensor, what):
+def framework_name(tensor, what):
+    """The framework of `tensor`, "numpy" or "torch"; NotImplementedError naming `what`
+    for any other (the operations epx.deep_ep does itself are written for those two)."""
     name = _frameworks.of(tensor).name
     if name not in ("numpy", "torch"):
         raise NotImplementedError("epx.deep_ep: %s is implemented for NumPy arrays and torch "
@@ -26,7 +28,7 @@ def layout(topk_idx, num_experts, num_ranks):
     [T, R]). A token counts once per distinct rank; per expert, once per entry. Ids
     outside [0, num_experts) count nowhere."""
     local = num_experts // num_ranks
-    if _kind(topk_idx, "get_dispatch_layout before the first dispatch") == "torch":
+    if framework_name(topk_idx, "get_dispatch_layout before the first dispatch") == "torch":
         torch = importlib.import_module("torch")
         valid = (topk_idx >= 0) & (topk_idx < num_experts)
         rank = torch.where(valid, topk_idx // local, torch.full_like(topk_idx, num_ranks))
@@ -56,7 +58,7 @@ def tokens_per_node(is_token_in_rank, ranks_per_node):
     ranks_per_node ranks (a token counts once per node), from is_token_in_rank [T, R]."""
     tokens, ranks = int(is_token_in_rank.shape[0]), int(is_token_in_rank.shape[1])
     nodes = ranks // ranks_per_node
-    if _kind(is_token_in_rank, "num_tokens_per_rdma_rank") == "torch":
+    if framework_name(is_token_in_rank, "num_tokens_per_rdma_rank") == "torch":
         torch = importlib.import_module("torch")
         in_node = is_token_in_rank.reshape(tokens, nodes, ranks_per_node).any(dim=2)
         return in_node.sum(dim=0, dtype=torch.int32)

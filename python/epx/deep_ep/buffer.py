@@ -21,6 +21,7 @@ from ..errors import EpxError, Status, check, invalid_argument
 from ..events import EventOverlap
 from ..group import Group
 from . import _ops
+from ._lifetime import Lifetime
 from .config import Config
 from .low_latency import LowLatencyMethods
 
@@ -88,7 +89,7 @@ def _group_of(group, comm):
     return Group.from_process_group(group), True
 
 
-class Buffer(LowLatencyMethods):
+class Buffer(Lifetime, LowLatencyMethods):
     """DeepEP's deep_ep.Buffer over epx (the constructor is collective, as DeepEP's).
 
     group: a torch.distributed ProcessGroup (its collectives are epx's bootstrap), an
@@ -135,34 +136,11 @@ class Buffer(LowLatencyMethods):
 
     # ------------------------------------------------------------ lifetime
 
-    def destroy(self):
-        """Free the epx buffers (collective). As DeepEP's, only with explicitly_destroy."""
-        if not self.explicitly_destroy:
-            raise EpxError(Status.ERR_INVALID_STATE,
-                           "deep_ep.Buffer.destroy: the buffer was made with "
-                           "explicitly_destroy=False (it is freed when collected)")
-        self._release()
-
-    def _release(self):
+    def _release_buffers(self):
         for buffer in (self._normal, self._ll):
             if buffer is not None:
                 buffer.destroy()
         self._normal = self._ll = None
-        if self._owns_group and self._epx_group is not None:
-            self._epx_group.destroy()
-        self._epx_group = None
-
-    def __del__(self):
-        try:
-            if not self.explicitly_destroy:
-                self._release()
-        except Exception:
-            pass
-
-    def _group(self):
-        if self._epx_group is None:
-            raise EpxError(Status.ERR_INVALID_STATE, "deep_ep.Buffer: used after destroy()")
-        return self._epx_group
 
     # ------------------------------------------------------------ statics
 

@@ -24,6 +24,7 @@ from ..events import EventOverlap
 from . import _elastic_ops as ops
 from .buffer import Buffer as _V1Buffer
 from .buffer import _group_of
+from ._lifetime import Lifetime
 from .config import normal_bytes
 
 # DeepEP V2's buffer sizes are multiples of this (get_elastic_buffer_alignment()).
@@ -56,7 +57,7 @@ class EPHandle:
                 % (self.do_expand, self.num_recv_tokens, self.num_experts))
 
 
-class ElasticBuffer:
+class ElasticBuffer(Lifetime):
     """DeepEP V2's ElasticBuffer over epx (the constructor is collective, as DeepEP's).
 
     group: a torch.distributed ProcessGroup, an epx.Group, or None (the group `epx
@@ -72,6 +73,8 @@ class ElasticBuffer:
         (epx's waits time out after EPX_TIMEOUT_MS). num_cpu_bytes > 0 (Engram storage)
         raises NotImplementedError.
     """
+
+    _NAME = "deep_ep.ElasticBuffer"
 
     def __init__(self, group=None, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0,
                  hidden=0, num_topk=0, use_fp8_dispatch=False, deterministic=False,
@@ -108,34 +111,7 @@ class ElasticBuffer:
 
     # ------------------------------------------------------------ lifetime
 
-    def destroy(self):
-        """Free the epx buffers (collective). As DeepEP's, only with explicitly_destroy."""
-        if not self.explicitly_destroy:
-            raise EpxError(Status.ERR_INVALID_STATE,
-                           "deep_ep.ElasticBuffer.destroy: the buffer was made with "
-                           "explicitly_destroy=False (it is freed when collected)")
-        self._release()
-
-    def _release(self):
-        try:
-            self._release_buffers()
-        finally:
-            if self._owns_group and self._epx_group is not None:
-                self._epx_group.destroy()
-            self._epx_group = None
-
-    def __del__(self):
-        try:
-            if not self.explicitly_destroy:
-                self._release()
-        except Exception:
-            pass
-
-    def _group(self):
-        if self._epx_group is None:
-            raise EpxError(Status.ERR_INVALID_STATE,
-                           "deep_ep.ElasticBuffer: used after destroy()")
-        return self._epx_group
+    # destroy(), _release() and _group(): _lifetime.Lifetime; _release_buffers() below.
 
     # ------------------------------------------------------------ sizes and domains
 
@@ -278,7 +254,7 @@ class ElasticBuffer:
         if isinstance(x, RawBits):
             return ("x: raw bits (epx.raw_bits) are not taken here; pass a torch tensor or a "
                     "NumPy array of ml_dtypes.bfloat16 / float8_e4m3fn")
-        ops.framework_name(x, "dispatch")
+        ops.framework_name(x, "ElasticBuffer.dispatch")
         if topk_idx is None:
             return "topk_idx is required without a handle"
         if num_experts is None:
@@ -360,7 +336,7 @@ class ElasticBuffer:
         alignment = 1 if expert_alignment is None else int(expert_alignment)
         problem, shape = None, None
         try:  # every argument error here becomes this rank's verdict in _agree
-            x_main, x_sf = x if isinstance(x, tuple) else (x, None)
+            x_main = x[0] if isinstance(x, tuple) else x
             problem = self._fresh_problem(x_main, topk_idx, num_experts, tokens, alignment)
             if problem is None:
                 num_experts, num_topk = int(num_experts), int(topk_idx.shape[1])
@@ -376,8 +352,8 @@ class ElasticBuffer:
             previous_event.current_stream_wait()
 
         recv_x, recv_idx, recv_w, counts, epx_handle, _ = self._collective(
-            main.dispatch, x, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=alignment,
-            copy=True)
+            main.dispatch, x, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=alignment, copy=True)
         n = epx_handle.num_recv_tokens
         ids = self.rank_idx * tokens + np.arange(int(x_main.shape[0]), dtype=np.int64)
         recv_meta, _, _, _, side_handle, _ = self._collective(
@@ -448,39 +424,50 @@ class ElasticBuffer:
                          "buffer's, or a dispatch of another shape or a failed call made new "
                          "ones)" % op)
 
+    @staticmethod
+    def _problem_of(check):
+        """check()'s argument problem (text, or None); an exception it raises is one too, so
+        that the call can be failed on every rank (_refuse) rather than raised here only."""
+        try:
+            return check()
+        except Exception as error:  # noqa: BLE001 - reported on every rank
+            return "%s: %s" % (type(error).__name__, error)
+
+    @staticmethod
+    def _cached_problem(x, topk_idx, handle, num_experts, num_max_tokens_per_rank,
+                        expert_alignment, do_cpu_sync, do_expand, stats):
+        given = (handle.num_experts if num_experts is None else int(num_experts),
+                 handle.expert_alignment if expert_alignment is None else int(expert_alignment),
+                 handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
+                 else int(num_max_tokens_per_rank))
+        if isinstance(x, RawBits):
+            return "x: raw bits (epx.raw_bits) are not taken here"
+        if topk_idx is not None:
+            return "cached mode (handle given) takes no topk_idx, as DeepEP"
+        if do_cpu_sync:
+            return "cannot do CPU sync with a cached handle, as DeepEP"
+        if stats is not None:
+            return ("cumulative_local_expert_recv_stats is not taken in cached mode (the rows "
+                    "were counted by the dispatch that made the handle)")
+        if given != (handle.num_experts, handle.expert_alignment,
+                     handle.num_max_tokens_per_rank):
+            return ("num_experts, expert_alignment and num_max_tokens_per_rank must be the "
+                    "handle's")
+        if bool(do_expand) != handle.do_expand:
+            return ("do_expand=%s with a handle of do_expand=%s (combine follows the handle's "
+                    "layout)" % (bool(do_expand), handle.do_expand))
+        ops.framework_name(x, "ElasticBuffer.dispatch")
+        return None
+
     def _dispatch_cached(self, x, topk_idx, topk_weights, handle, num_experts,
                          num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand,
                          previous_event, col_major_sf, stats, async_finish):
         op = "ElasticBuffer.dispatch"
         self._check_handle(handle, op)
-        problem = None
-        try:
-            x_main, x_sf = x if isinstance(x, tuple) else (x, None)
-            given = (handle.num_experts if num_experts is None else int(num_experts),
-                     handle.expert_alignment if expert_alignment is None
-                     else int(expert_alignment),
-                     handle.num_max_tokens_per_rank if num_max_tokens_per_rank is None
-                     else int(num_max_tokens_per_rank))
-            if isinstance(x_main, RawBits):
-                problem = "x: raw bits (epx.raw_bits) are not taken here"
-            elif topk_idx is not None:
-                problem = "cached mode (handle given) takes no topk_idx, as DeepEP"
-            elif do_cpu_sync:
-                problem = "cannot do CPU sync with a cached handle, as DeepEP"
-            elif stats is not None:
-                problem = ("cumulative_local_expert_recv_stats is not taken in cached mode (the "
-                           "rows were counted by the dispatch that made the handle)")
-            elif given != (handle.num_experts, handle.expert_alignment,
-                           handle.num_max_tokens_per_rank):
-                problem = ("num_experts, expert_alignment and num_max_tokens_per_rank must be "
-                           "the handle's")
-            elif bool(do_expand) != handle.do_expand:
-                problem = ("do_expand=%s with a handle of do_expand=%s (combine follows the "
-                           "handle's layout)" % (bool(do_expand), handle.do_expand))
-            else:
-                ops.framework_name(x_main, "dispatch")
-        except Exception as error:  # noqa: BLE001 - fails the call on every rank
-            problem = "%s: %s" % (type(error).__name__, error)
+        x_main = x[0] if isinstance(x, tuple) else x
+        problem = self._problem_of(lambda: self._cached_problem(
+            x_main, topk_idx, handle, num_experts, num_max_tokens_per_rank, expert_alignment,
+            do_cpu_sync, do_expand, stats))
         if problem is not None:
             self._refuse("%s: %s" % (op, problem))
         if previous_event is not None:
@@ -543,16 +530,12 @@ class ElasticBuffer:
     # ------------------------------------------------------------ combine
 
     @staticmethod
-    def _unpack_bias(bias):
+    def _combine_problem(x, handle, topk_weights, bias):
         if isinstance(bias, tuple) and len(bias) != 2:
-            raise ValueError("bias must be a tensor or a pair of tensors, not %d" % len(bias))
-        return bias
-
-    @staticmethod
-    def _combine_problem(x, handle, topk_weights):
+            return "bias must be a tensor or a pair of tensors, not %d" % len(bias)
         if isinstance(x, RawBits):
             return "x: raw bits (epx.raw_bits) are not taken here"
-        ops.framework_name(x, "combine")
+        ops.framework_name(x, "ElasticBuffer.combine")
         if handle.do_expand:
             allowed = {handle._expansion.rows, handle.num_expanded_tokens}
             what = "the handle's expanded rows"
@@ -591,12 +574,7 @@ class ElasticBuffer:
                 "ElasticBuffer.combine: the expanded layout with allow_multiple_reduction=False "
                 "(one reduction over every top-k entry) is not supported: epx sums each rank's "
                 "rows before the ranks' sums")
-        problem = None
-        try:
-            problem = self._combine_problem(x, handle, topk_weights)
-            bias = self._unpack_bias(bias)
-        except Exception as error:  # noqa: BLE001 - fails the call on every rank
-            problem = "%s: %s" % (type(error).__name__, error)
+        problem = self._problem_of(lambda: self._combine_problem(x, handle, topk_weights, bias))
         if problem is not None:
             self._refuse("%s: %s" % (op, problem))
         if previous_event is not None:

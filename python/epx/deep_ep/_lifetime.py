@@ -1,0 +1,38 @@
+"""The lifetime rules deep_ep.Buffer and deep_ep.ElasticBuffer share (DeepEP's): destroy()
+only with explicitly_destroy, otherwise freed when collected; used after destroy() is an
+error. A class using it sets _NAME, _epx_group, _owns_group and explicitly_destroy, and
+defines _release_buffers() (free its epx buffers)."""
+
+from ..errors import EpxError, Status
+
+
+class Lifetime:
+    _NAME = "deep_ep.Buffer"
+
+    def destroy(self):
+        """Free the epx buffers (collective). As DeepEP's, only with explicitly_destroy."""
+        if not self.explicitly_destroy:
+            raise EpxError(Status.ERR_INVALID_STATE,
+                           "%s.destroy: the buffer was made with explicitly_destroy=False "
+                           "(it is freed when collected)" % self._NAME)
+        self._release()
+
+    def _release(self):
+        try:
+            self._release_buffers()
+        finally:
+            if self._owns_group and self._epx_group is not None:
+                self._epx_group.destroy()
+            self._epx_group = None
+
+    def __del__(self):
+        try:
+            if not self.explicitly_destroy:
+                self._release()
+        except Exception:
+            pass
+
+    def _group(self):
+        if self._epx_group is None:
+            raise EpxError(Status.ERR_INVALID_STATE, "%s: used after destroy()" % self._NAME)
+        return self._epx_group
