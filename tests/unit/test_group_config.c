@@ -222,6 +222,33 @@ static void test_callbacks(void)
 
 /* ---------------------------------------------------------------- several ranks */
 
+/* A host-backend group of the shared unique id, with this node size (0: not given). */
+static epx_group_config_t unique_id_config(int rank, int world_size, int ranks_per_node)
+{
+    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
+    config.rank = rank;
+    config.world_size = world_size;
+    config.backend = EPX_BACKEND_HOST;
+    config.ranks_per_node = ranks_per_node;
+    config.unique_id = &g_id;
+    config.timeout_ms = 8000;
+    return config;
+}
+
+/* Make the group of `config` and check the node size and local rank it reports. */
+static int check_nodes(const epx_group_config_t *config, int ranks_per_node, int local_rank)
+{
+    epx_group_t group = NULL;
+    CHECK_OK(epx_group_create(config, &group));
+    epx_group_info_t info = EPX_GROUP_INFO_INIT;
+    CHECK_OK(epx_group_get_info(group, &info));
+    CHECK_EQ_INT(info.ranks_per_node, ranks_per_node);
+    CHECK_EQ_INT(info.local_rank, local_rank);
+    CHECK_OK(epx_group_barrier(group));
+    CHECK_OK(epx_group_destroy(group));
+    return 0;
+}
+
 static int body_local_ranks(int rank, int world_size, void *arg)
 {
     (void)arg;
@@ -230,34 +257,15 @@ static int body_local_ranks(int rank, int world_size, void *arg)
         setenv("EPX_LOCAL_RANK", "5", 1);
         epx__params_reset();
     }
-    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
-    config.rank = rank;
-    config.world_size = world_size;
-    config.backend = EPX_BACKEND_HOST;
-    config.ranks_per_node = 2;
-    config.unique_id = &g_id;
-    config.timeout_ms = 8000;
-    epx_group_t group = NULL;
-    CHECK_OK(epx_group_create(&config, &group));
-    epx_group_info_t info = EPX_GROUP_INFO_INIT;
-    CHECK_OK(epx_group_get_info(group, &info));
-    CHECK_EQ_INT(info.ranks_per_node, 2);
-    CHECK_EQ_INT(info.local_rank, rank == 3 ? 5 : rank % 2);
-    CHECK_OK(epx_group_barrier(group));
-    CHECK_OK(epx_group_destroy(group));
-    return 0;
+    epx_group_config_t config = unique_id_config(rank, world_size, 2);
+    return check_nodes(&config, 2, rank == 3 ? 5 : rank % 2);
 }
 
 static int body_disagree(int rank, int world_size, void *arg)
 {
     (void)arg;
-    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
-    config.rank = rank;
-    config.world_size = world_size;
-    config.backend = EPX_BACKEND_HOST;
-    config.ranks_per_node = rank == 2 ? 1 : 4; /* each divides 4; they disagree */
-    config.unique_id = &g_id;
-    config.timeout_ms = 8000;
+    /* each divides 4; they disagree */
+    epx_group_config_t config = unique_id_config(rank, world_size, rank == 2 ? 1 : 4);
     check_refused(&config, EPX_ERR_INVALID_ARG, "rank 2 has ranks_per_node 1, rank 0 has 4");
     return 0;
 }
@@ -269,21 +277,8 @@ static int body_nodes_from_env(int rank, int world_size, void *arg)
     (void)arg;
     setenv("EPX_RANKS_PER_NODE", "2", 1);
     epx__params_reset();
-    epx_group_config_t config = EPX_GROUP_CONFIG_INIT;
-    config.rank = rank;
-    config.world_size = world_size;
-    config.backend = EPX_BACKEND_HOST;
-    config.unique_id = &g_id;
-    config.timeout_ms = 8000;
-    epx_group_t group = NULL;
-    CHECK_OK(epx_group_create(&config, &group));
-    epx_group_info_t info = EPX_GROUP_INFO_INIT;
-    CHECK_OK(epx_group_get_info(group, &info));
-    CHECK_EQ_INT(info.ranks_per_node, 2);
-    CHECK_EQ_INT(info.local_rank, rank % 2);
-    CHECK_OK(epx_group_barrier(group));
-    CHECK_OK(epx_group_destroy(group));
-    return 0;
+    epx_group_config_t config = unique_id_config(rank, world_size, 0);
+    return check_nodes(&config, 2, rank % 2);
 }
 
 static void test_several_ranks(void)
