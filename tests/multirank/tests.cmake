@@ -46,6 +46,12 @@ foreach(ranks 1 2)
                    --backend ${EPX_TEST_BACKEND})
   set_tests_properties(multirank.bad_input.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
 endforeach()
+# Across virtual nodes: a refusal on one rank reaches the other node's ranks as
+# EPX_ERR_REMOTE naming it (never their timeout).
+add_test(NAME multirank.bad_input.n4.nodes2x2
+         COMMAND ${EPX_LAUNCH} -n 4 --ranks-per-node 2 -- $<TARGET_FILE:test_bad_input>
+                 --backend ${EPX_TEST_BACKEND})
+set_tests_properties(multirank.bad_input.n4.nodes2x2 PROPERTIES TIMEOUT 120 LABELS multirank)
 
 # A rank killed inside epx_buffer_create: nothing left in /dev/shm (CPU backend).
 add_executable(test_create_killed ${EPX_MULTIRANK_DIR}/test_create_killed.c)

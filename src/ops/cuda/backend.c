@@ -412,20 +412,26 @@ static void cuda_abort(epx_buffer_t buffer, epx_status_t status, const char *mes
     if (cuda != NULL && cuda->autoreg.shm != NULL)
         epx__shm_abort(cuda->autoreg.shm, status, message);
     /* The abort word lives in the peers' normal-mode memory, written directly where it
-     * is mapped (this node). Ranks on other nodes time out on the failed rank instead. */
+     * is mapped (this node), and put through NVSHMEM to the ranks of other nodes (their
+     * allocation is symmetric then). */
     if (cuda == NULL || cuda->peer_bases == NULL)
         return;
     int me = buffer->group->rank;
-    int culprit = epx__cuda_failure_culprit(buffer);
-    if (culprit < 0)
-        culprit = me;
-    int code = status == EPX_ERR_TIMEOUT ? 1 : 2;
+    int recorded = epx__cuda_note_failure(buffer); /* a failure the device recorded */
+    int culprit = recorded && cuda->error_culprit >= 0 ? cuda->error_culprit : me;
+    int timed_out = status == EPX_ERR_TIMEOUT ||
+                    (recorded && cuda->error_status == EPX_ERR_TIMEOUT);
+    int code = timed_out ? 1 : 2;
     *cuda->abort_word = EPX_CUDA_ABORT_PACK(code, EPX_CUDA_STAGE_NONE, me, culprit);
     /* Through a non-blocking stream: the user's stream may hold kernels that spin. */
     for (int r = 0; r < buffer->group->world_size; r++)
         if (r != me && cuda->peer_bases[r] != NULL)
             (void)cudaMemcpyAsync(cuda->peer_bases[r], cuda->abort_word, sizeof(uint64_t),
                                   cudaMemcpyHostToDevice, cuda->abort_stream);
+    /* A failure the device recorded was put to the other nodes by note_failure (or came
+     * from a peer, who did); never to a rank that timed out: it may be gone. */
+    if (!recorded)
+        epx__cuda_xn_tell(cuda, timed_out ? culprit : -1, cuda->abort_stream);
     int64_t deadline = epx__now_ns() + 1000000000ll;
     while (cudaStreamQuery(cuda->abort_stream) == cudaErrorNotReady && epx__now_ns() < deadline)
         sched_yield();

@@ -246,6 +246,10 @@ epx_status_t epx__cuda_xn_create(epx_buffer_t buffer, epx__cuda_buffer_t *cuda,
                                  epx_status_t status);
 /* `healthy`: every rank agreed no peer failed (freeing symmetric memory is collective). */
 void epx__cuda_xn_destroy(epx__cuda_buffer_t *cuda, int healthy);
+/* Put *cuda->abort_word (EPX_CUDA_ABORT_PACK) into the abort word of every rank on
+ * another node but `skip` (-1: none), on `stream`: their waits end naming this failure
+ * instead of timing out. No-op on one node. */
+void epx__cuda_xn_tell(const epx__cuda_buffer_t *cuda, int skip, cudaStream_t stream);
 /* The backend's internode_plan hook (epx_internode_plan but bytes_per_rank). */
 epx_status_t epx__cuda_xn_describe(epx_group_t group, const epx_buffer_config_t *config,
                                    epx_internode_plan_t *plan);

@@ -126,6 +126,18 @@ int epx__cuda_note_failure(epx_buffer_t buffer)
          * (the first failure published there wins). */
         if (cuda->autoreg.shm != NULL)
             epx__shm_abort(cuda->autoreg.shm, cuda->error_status, cuda->error_message);
+        /* The kernel told this node's ranks (their abort words); the ranks of other nodes
+         * get the word by a put now (when this host sees the record: its next epx call or
+         * wait). A failure passed on from a peer is not passed on again, and a bad id
+         * found by get_dispatch_layout is this rank's alone (its kernel told nobody). */
+        int own = code != EPX_CUDA_FAIL_ABORT && code != EPX_CUDA_FAIL_PEER_INPUT &&
+                  m->error_stage != EPX_CUDA_STAGE_LAYOUT;
+        if (own) {
+            int timeout = code == EPX_CUDA_FAIL_TIMEOUT;
+            int me = buffer->group->rank, culprit = timeout ? m->error_peer : me;
+            *cuda->abort_word = EPX_CUDA_ABORT_PACK(timeout ? 1 : 2, m->error_stage, me, culprit);
+            epx__cuda_xn_tell(cuda, timeout ? culprit : -1, cuda->abort_stream);
+        }
     }
     return 1;
 }

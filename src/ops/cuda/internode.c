@@ -256,6 +256,23 @@ void epx__cuda_xn_destroy(epx__cuda_buffer_t *cuda, int healthy)
     cuda->peer_bases = NULL;
 }
 
+void epx__cuda_xn_tell(const epx__cuda_buffer_t *cuda, int skip, cudaStream_t stream)
+{
+    const epx__cuda_xn_t *xn = cuda->xn;
+    if (xn == NULL || xn->sym == NULL || cuda->abort_word == NULL ||
+        xn->plugin->xn_tell == NULL)
+        return;
+    /* The control area is at the same offset of every rank's symmetric allocation: the
+     * word goes to this rank's abort_out first, and from there to each peer's abort_word. */
+    epx__cuda_ctrl_t *ctrl = (epx__cuda_ctrl_t *)xn->sym;
+    if (cudaMemcpyAsync(&ctrl->abort_out, cuda->abort_word, sizeof(uint64_t),
+                        cudaMemcpyHostToDevice, stream) != cudaSuccess)
+        return;
+    for (int r = 0; r < cuda->shape.world_size; r++)
+        if (r != cuda->shape.rank && r != skip && xn->peers[r] == NULL)
+            (void)xn->plugin->xn_tell(&ctrl->abort_word, &ctrl->abort_out, r, stream);
+}
+
 cudaError_t epx__cuda_run_notify(const epx__cuda_buffer_t *cuda,
                                  const epx__cuda_notify_args_t *args, cudaStream_t stream)
 {

@@ -126,7 +126,9 @@ typedef struct {
 /* Start of the control area. */
 typedef struct {
     uint64_t abort_word; /* EPX_CUDA_ABORT_PACK, written by a failing peer */
-    uint64_t reserved[15];
+    uint64_t abort_out;  /* internode: this rank's word as put to the abort_word of ranks
+                            on other nodes (the put's symmetric source) */
+    uint64_t reserved[14];
 } epx__cuda_ctrl_t;
 
 /*

@@ -67,8 +67,8 @@ extern "C" {
 #endif
 
 /* 9: the internode kernels take biases and routing by the layout (libepx no longer
- * refuses them across nodes, so an older plugin must not be loaded). */
-#define EPX_LL_PLUGIN_ABI 9
+ * refuses them across nodes, so an older plugin must not be loaded). 10: xn_tell. */
+#define EPX_LL_PLUGIN_ABI 10
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
@@ -214,6 +214,9 @@ typedef struct {
     /* Kernels 2, once per buffer before its first launch (not stream-ordered): sets
      * shape->stages to what the device's shared memory holds, and the kernel attribute. */
     int (*prepare)(epx_ll_shape_t *shape);
+    /* Internode normal mode: put this rank's `*source` into rank `pe`'s `abort_word`
+     * (symmetric addresses in the shared allocation's control area), stream-ordered. */
+    int (*xn_tell)(uint64_t *abort_word, const uint64_t *source, int pe, void *stream);
 } epx_ll_plugin_t;
 
 typedef const epx_ll_plugin_t *(*epx_ll_plugin_entry_t)(void);

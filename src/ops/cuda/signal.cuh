@@ -130,7 +130,7 @@ static __device__ __noinline__ void epx_record_failure_ctx(epx_fail_ctx_t c, int
     int culprit = code == EPX_CUDA_FAIL_TIMEOUT ? peer : c.rank;
     uint64_t word = EPX_CUDA_ABORT_PACK(abort_code, stage, c.rank, culprit);
     for (int r = 0; r < c.world_size; r++) {
-        /* Ranks on other nodes (no mapping) see the failure as a timeout of their own. */
+        /* Ranks on other nodes (no mapping) get the word from the host (errors.c). */
         if (r == c.rank || c.local->peers[r] == NULL)
             continue;
         uint64_t *target = &reinterpret_cast<epx__cuda_ctrl_t *>(c.local->peers[r])->abort_word;

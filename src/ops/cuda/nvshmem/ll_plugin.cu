@@ -20,12 +20,13 @@ extern "C" int epx_xn_launch_dispatch(const epx__cuda_shape_t *,
                                       const epx__cuda_dispatch_args_t *, void *);
 extern "C" int epx_xn_launch_combine(const epx__cuda_shape_t *, const epx__cuda_combine_args_t *,
                                      void *);
+extern "C" int epx_xn_tell(uint64_t *, const uint64_t *, int, void *);
 
 static const epx_ll_plugin_t plugin = {
     EPX_LL_PLUGIN_ABI,          epx_ll_launch_dispatch_send, epx_ll_launch_dispatch_recv,
     epx_ll_launch_combine_send, epx_ll_launch_combine_recv,  epx_xn_launch_notify,
     epx_xn_launch_dispatch,     epx_xn_launch_combine,   epx_ll2_launch_dispatch,
-    epx_ll2_launch_combine,     epx_ll2_prepare,
+    epx_ll2_launch_combine,     epx_ll2_prepare,             epx_xn_tell,
 };
 
 extern "C" __attribute__((visibility("default"))) const epx_ll_plugin_t *epx_ll_plugin_v1(void)
