@@ -135,6 +135,15 @@ def tensors1():
     return kinds[0]
 
 
+@pytest.fixture
+def numpy_or_torch_only(request):
+    """Skips the test's JAX case (for APIs that take torch tensors and NumPy arrays)."""
+    callspec = getattr(request.node, "callspec", None)
+    kind = callspec.params.get("tensors") if callspec is not None else None
+    if kind is not None and kind.name == "jax":
+        pytest.skip("epx.deep_ep takes torch tensors and NumPy arrays, not JAX arrays")
+
+
 def pytest_generate_tests(metafunc):
     if "tensors" in metafunc.fixturenames:
         kinds = tensor_kinds(_backend_for_params())

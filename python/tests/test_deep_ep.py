@@ -18,13 +18,8 @@ from test_low_latency import LowLatencyCase
 NVL_BYTES = 64 << 20
 
 
-@pytest.fixture(autouse=True)
-def _not_jax(request):
-    # DeepEP's API is torch's: epx.deep_ep is tested with torch tensors and NumPy arrays.
-    callspec = getattr(request.node, "callspec", None)
-    kind = callspec.params.get("tensors") if callspec is not None else None
-    if kind is not None and kind.name == "jax":
-        pytest.skip("epx.deep_ep takes torch tensors and NumPy arrays, not JAX arrays")
+# DeepEP's API is torch's: epx.deep_ep is tested with torch tensors and NumPy arrays.
+pytestmark = pytest.mark.usefixtures("numpy_or_torch_only")
 
 
 def make_buffer(group, **kwargs):
