@@ -18,12 +18,8 @@ from reference import BF16, Case
 MAX_TOKENS = 32
 
 
-@pytest.fixture(autouse=True)
-def _numpy_or_torch(request):
-    callspec = getattr(request.node, "callspec", None)
-    kind = callspec.params.get("tensors") if callspec is not None else None
-    if kind is not None and kind.name == "jax":
-        pytest.skip("epx.deep_ep takes torch tensors and NumPy arrays, not JAX arrays")
+# DeepEP's API is torch's: epx.deep_ep is tested with torch tensors and NumPy arrays.
+pytestmark = pytest.mark.usefixtures("numpy_or_torch_only")
 
 
 def make_buffer(group, **kwargs):
@@ -309,14 +305,11 @@ def refused_on_one_rank(group, call, *words, buffer=None):
         assert "rank 0" in caught.value.message, caught.value.message
 
 
-@pytest.mark.parametrize("mistake", ["stats", "twice", "tokens", "handle", "combine rows",
-                                     "combine weights", "first call", "shape change",
-                                     "bias"])
+@pytest.mark.parametrize("mistake", ["stats", "twice", "expert id", "tokens", "topk rows",
+                                     "handle",
+                                     "combine rows", "combine weights", "first call",
+                                     "shape change", "bias"])
 def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake):
-    if group.backend == "cuda" and 0 < group.ranks_per_node < group.world_size:
-        # Known gap (docs/PYTHON.md): on the CUDA internode path a rank's refusal reaches
-        # the other nodes' ranks as a timeout (EPX_TIMEOUT_MS), not at once as ERR_REMOTE.
-        pytest.skip("CUDA across nodes: another node's refusal is seen as a timeout")
     case = make_case(group, seed=17)
     buffer = make_buffer(group)
     rank = group.rank
@@ -354,16 +347,28 @@ def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake
     elif mistake == "twice":
         idx2 = idx.copy()
         if bad:
-            idx2[1, :2] = 5
+            idx2[1, :2] = case.num_experts - 1
         call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx2),  # noqa
                                        num_experts=case.num_experts)
         words = ("names an expert twice in token 1",)
+    elif mistake == "expert id":
+        idx2 = idx.copy()
+        if bad:
+            idx2[1, 0] = case.num_experts
+        call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx2),  # noqa
+                                       num_experts=case.num_experts)
+        words = ("topk_idx[1][0] is %d, expected -1 (none) or an expert id" % case.num_experts,)
     elif mistake == "tokens":
         more = np.concatenate([x] * 3) if bad else x
         more_idx = np.concatenate([idx] * 3) if bad else idx
         call = lambda: buffer.dispatch(tensors.put(more), topk_idx=tensors.put(more_idx),  # noqa
                                        num_experts=case.num_experts)
-        words = ("max_tokens_per_rank",)
+        words = ("x has %d tokens, more than num_max_tokens_per_rank" % (3 * len(x)),)
+    elif mistake == "topk rows":
+        fewer = idx[:-1] if bad else idx
+        call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(fewer),  # noqa
+                                       num_experts=case.num_experts)
+        words = ("topk_idx has %d rows for %d tokens" % (len(x) - 1, len(x)),)
     elif mistake == "handle":
         call = lambda: buffer.dispatch(tensors.put(x), handle=handle,  # noqa: E731
                                        topk_idx=tensors.put(idx) if bad else None)

@@ -114,14 +114,95 @@ class Expansion:
         self.entry_slots = self.slots[self.entry_rows, self.entry_cols].astype(np.int64)
 
 
+class TorchExpansion:
+    """Expansion computed with torch on the received ids' device (the host waits only for
+    sizes: the expanded row count and counts, the entries' number). Same attributes;
+    slots, psum are device tensors, counts a NumPy copy (small), and entry_rows /
+    entry_cols / entry_slots device index tensors."""
+
+    def __init__(self, recv_topk_idx, num_local_experts, alignment):
+        torch = importlib.import_module("torch")
+        idx = recv_topk_idx.to(torch.int64)
+        n, k = int(idx.shape[0]), int(idx.shape[1])
+        L = num_local_experts
+        valid = (idx >= 0) & (idx < L)
+        flat = torch.where(valid, idx, torch.full_like(idx, L)).reshape(-1)
+        # An entry's rank among its expert's entries in row-major order: its place in a
+        # stable sort by expert, less the expert's first place (searched in the sorted
+        # ids: no atomics, no host wait).
+        ordered, order = torch.sort(flat, stable=True)
+        first_of = torch.searchsorted(ordered, torch.arange(L + 2, device=idx.device))
+        ranks = torch.empty_like(flat)
+        ranks[order] = torch.arange(flat.numel(), device=idx.device) - first_of[ordered]
+        counts = first_of[1:L + 1] - first_of[:L]
+        aligned = (counts + alignment - 1) // alignment * alignment
+        starts = aligned.cumsum(0) - aligned
+        self.psum = (starts + counts).to(torch.int32)
+        starts_ext = torch.cat([starts, starts.new_zeros(1)])
+        slots = torch.where(valid.reshape(-1), starts_ext[flat] + ranks,
+                            torch.full_like(ranks, -1))
+        self.slots_device = slots.reshape(n, k).to(torch.int32)
+        host = torch.cat([aligned.sum().reshape(1), counts])
+        host = host.cpu().numpy()  # the one wait: the row count and the counts
+        self.rows = int(host[0])
+        self.counts = host[1:].astype(np.int64)
+        self.entry_rows, self.entry_cols = valid.nonzero(as_tuple=True)
+        self.entry_slots = slots.reshape(n, k)[self.entry_rows, self.entry_cols]
+        self._slots_host = None
+
+    @property
+    def slots(self):
+        """The slots as a NumPy array (for the host-side users; copied once)."""
+        if self._slots_host is None:
+            self._slots_host = self.slots_device.cpu().numpy()
+        return self._slots_host
+
+
+def expansion_of(recv_topk_idx, num_local_experts, alignment, n):
+    """Expansion (NumPy) or TorchExpansion of the first n received rows' ids."""
+    if hasattr(recv_topk_idx, "new_zeros"):
+        return TorchExpansion(recv_topk_idx[:n], num_local_experts, alignment)
+    return Expansion(np.asarray(recv_topk_idx)[:n], num_local_experts, alignment)
+
+
+def _index(array, reference):
+    """An index tensor for `reference`'s framework: device tensors pass as they are."""
+    if hasattr(array, "new_zeros"):
+        return array
+    return like(np.asarray(array).astype(np.int64), reference)
+
+
+def row_sources(expansion, rows):
+    """(source, padding) for an expanded layout of `rows` rows, in the expansion's
+    framework: each expanded row's received row (0 for padding rows), and the padding
+    rows' positions. Kept on the expansion per row count."""
+    cache = expansion.__dict__.setdefault("_row_sources", {})
+    if rows not in cache:
+        entries, slots = expansion.entry_rows, expansion.entry_slots
+        if hasattr(slots, "new_zeros"):
+            torch = importlib.import_module("torch")
+            source = torch.full((rows,), -1, dtype=torch.int64, device=slots.device)
+            source[slots.to(torch.int64)] = entries.to(torch.int64)
+            padding = (source < 0).nonzero().squeeze(1)
+            cache[rows] = (source.clamp(min=0), padding)
+        else:
+            source = np.full(rows, -1, dtype=np.int64)
+            source[np.asarray(slots, dtype=np.int64)] = entries
+            cache[rows] = (np.maximum(source, 0), np.nonzero(source < 0)[0])
+    return cache[rows]
+
+
 def expand_rows(tensor, expansion, rows, reference):
-    """Rows of `tensor` [n, ...] placed at their entries' expanded rows (zeros elsewhere)."""
+    """Rows of `tensor` [n, ...] placed at their entries' expanded rows (zeros elsewhere):
+    one gather, then the padding rows zeroed."""
     if tensor is None:
         return None
-    out = zeros(tensor, (rows,) + tuple(tensor.shape[1:]))
-    if expansion.entry_slots.size:
-        out[like(expansion.entry_slots, reference)] = \
-            tensor[like(expansion.entry_rows.astype(np.int64), reference)]
+    if not len(expansion.entry_slots):
+        return zeros(tensor, (rows,) + tuple(tensor.shape[1:]))
+    source, padding = row_sources(expansion, rows)
+    out = tensor[_index(source, reference)]
+    if len(padding):  # zeros of the rows' dtype: fp8 tensors may not take a scalar fill
+        out[_index(padding, reference)] = zeros(out, (len(padding),) + tuple(out.shape[1:]))
     return out
 
 
@@ -130,30 +211,87 @@ def expand_weights(recv_topk_weights, expansion, rows, reference):
     if recv_topk_weights is None:
         return None
     out = zeros(recv_topk_weights, (rows,))
-    if expansion.entry_slots.size:
-        out[like(expansion.entry_slots, reference)] = recv_topk_weights[
-            like(expansion.entry_rows.astype(np.int64), reference),
-            like(expansion.entry_cols.astype(np.int64), reference)]
+    if len(expansion.entry_slots):
+        out[_index(expansion.entry_slots, reference)] = recv_topk_weights[
+            _index(expansion.entry_rows, reference), _index(expansion.entry_cols, reference)]
     return out
+
+
+def _reduce_plan(slots):
+    """The index sets of reduce_expanded, in slots' framework (int64): rows with at least one
+    entry and their first entry's slot; rows with several, their first slot, and for each
+    later top-k column the positions among them that have an entry there and its slot."""
+    if hasattr(slots, "new_zeros"):
+        torch = importlib.import_module("torch")
+        slots = slots.to(torch.int64)
+
+        def positions(mask):
+            return mask.nonzero().squeeze(1)
+        first = torch.argmax((slots >= 0).to(torch.int8), dim=1)
+        first_slot = slots.gather(1, first.unsqueeze(1)).squeeze(1)
+    else:
+        slots = np.asarray(slots).astype(np.int64)
+
+        def positions(mask):
+            return np.nonzero(mask)[0]
+        first = np.argmax(slots >= 0, axis=1) if slots.size else \
+            np.zeros(slots.shape[0], np.int64)
+        first_slot = slots[np.arange(slots.shape[0]), first] if slots.size else first
+    entries = (slots >= 0).sum(1)
+    some, multi = positions(entries >= 1), positions(entries >= 2)
+    later = []
+    for j in range(1, int(slots.shape[1])):
+        rows = positions((slots[multi, j] >= 0) & (first[multi] < j))
+        later.append((rows, slots[multi[rows], j]))
+    return some, first_slot[some], multi, first_slot[multi], later
 
 
 def reduce_expanded(x, slots, hidden):
     """[n, hidden] of each received row's expanded rows summed in top-k order in fp32, one
-    rounding to x's dtype (DeepEP's reduction within a rank)."""
-    n, k = slots.shape
-    acc = as_float(zeros(x, (n, hidden)))
-    for j in range(k):
-        rows = np.nonzero(slots[:, j] >= 0)[0]
-        if rows.size:
-            acc[like(rows.astype(np.int64), x)] += as_float(
-                x[like(slots[rows, j].astype(np.int64), x)])
+    rounding to x's dtype (DeepEP's reduction within a rank). slots: NumPy, or a device
+    tensor (then the index work stays on the device; the host waits for sizes only).
+
+    A row with one entry is that entry's row (its fp32 sum rounds back to it), so only the
+    rows with several entries are summed in fp32: on the usual routings most rows have one,
+    and the rows read are about the entries' once. Every received row has an entry (it
+    was sent for one of this rank's experts), so the first entries are one gather."""
+    some, some_slot, multi, multi_slot, later = _reduce_plan(slots)
+    n = int(slots.shape[0])
     if framework_name(x, "ElasticBuffer.combine of the expanded layout") == "torch":
-        return acc.to(x.dtype)
-    return acc.astype(x.dtype)
+        torch = importlib.import_module("torch")
+        index = lambda a: _index(a, x).to(torch.int64)  # noqa: E731
+        if len(some) == n:
+            out = x.index_select(0, index(some_slot))
+        else:
+            out = zeros(x, (n, hidden))
+            if len(some):
+                out.index_copy_(0, index(some), x.index_select(0, index(some_slot)))
+        if len(multi):
+            acc = x.index_select(0, index(multi_slot)).to(torch.float32)
+            for rows, slot in later:
+                if len(rows):  # each row once per column: one add per element, in order
+                    acc.index_add_(0, index(rows), x.index_select(0, index(slot)).to(
+                        torch.float32))
+            out.index_copy_(0, index(multi), acc.to(x.dtype))
+        return out
+    out = zeros(x, (n, hidden))
+    if len(some):
+        out[some] = x[some_slot]
+    if len(multi):
+        acc = x[multi_slot].astype(np.float32)
+        for rows, slot in later:
+            if len(rows):
+                acc[rows] += x[slot].astype(np.float32)
+        out[multi] = acc.astype(x.dtype)
+    return out
 
 
 def weights_of_slots(weights, slots):
     """An expanded weight per slot [rows] as [n, k] (0 where the slot is -1)."""
+    if hasattr(slots, "new_zeros"):
+        torch = importlib.import_module("torch")
+        picked = weights[slots.clamp(min=0).to(torch.int64)]
+        return torch.where(slots >= 0, picked, torch.zeros_like(picked))
     n, k = slots.shape
     out = zeros(weights, (n, k))
     rows, cols = np.nonzero(slots >= 0)
@@ -163,33 +301,52 @@ def weights_of_slots(weights, slots):
     return out
 
 
-# ---------------------------------------------------------------- source ids
-
-# Width of the side dispatch that carries each token's source id (bf16 lanes).
-META_HIDDEN = 8
+# ---------------------------------------------------------------- the routing exchange
 
 
-def source_rows(global_ids, reference):
-    """[T, META_HIDDEN] bf16 bit patterns carrying each token's int32 global id (low and
-    high 16 bits in lanes 0 and 1), as a tensor epx can dispatch (raw bits for NumPy)."""
-    ids = np.asarray(global_ids, dtype=np.int64).astype(np.uint32)
-    lanes = np.zeros((ids.size, META_HIDDEN), dtype=np.uint16)
-    lanes[:, 0] = ids & 0xFFFF
-    lanes[:, 1] = ids >> 16
-    if framework_name(reference, "ElasticBuffer's source ids") == "torch":
-        torch = importlib.import_module("torch")
-        bits = torch.from_numpy(lanes.view(np.int16)).to(reference.device)
-        return bits.view(torch.bfloat16)
-    from .._tensor import raw_bits
-    return raw_bits(lanes, "bf16")
+def ranks_of(idx, num_ranks, num_experts):
+    """[tokens, num_ranks] bool: which ranks each token goes to (-1 entries nowhere; ids
+    are checked to be in [-1, num_experts) before)."""
+    idx = np.asarray(idx).astype(np.int64)
+    in_rank = np.zeros((idx.shape[0], num_ranks), dtype=bool)
+    rows, cols = np.nonzero((idx >= 0) & (idx < num_experts))
+    in_rank[rows, idx[rows, cols] // (num_experts // num_ranks)] = True
+    return in_rank
 
 
-def source_ids(recv_rows):
-    """The int32 global ids carried by received rows of source_rows (NumPy)."""
-    if hasattr(recv_rows, "detach"):
-        torch = importlib.import_module("torch")
-        lanes = recv_rows.view(torch.int16).detach().cpu().numpy().view(np.uint16)
-    else:
-        lanes = np.asarray(getattr(recv_rows, "array", recv_rows)).view(np.uint16)
-    return (lanes[:, 0].astype(np.uint32) | (lanes[:, 1].astype(np.uint32) << 16)).astype(
-        np.int32)
+def routing_record(in_rank, rows):
+    """This rank's part of the routing exchange (the same length on every rank: `rows` is
+    the most tokens any rank has): its tokens per receiving rank (int64 each), then each
+    of `rows` tokens' receiving ranks as bits (np.packbits order; tokens past this rank's
+    last go nowhere)."""
+    tokens, ranks = in_rank.shape
+    bits = np.zeros((rows, (ranks + 7) // 8), dtype=np.uint8)
+    bits[:tokens] = np.packbits(in_rank, axis=1)
+    return in_rank.sum(axis=0).astype("<i8").tobytes() + bits.tobytes()
+
+
+class Routing:
+    """Every rank's routing_record: where each rank's tokens went, so that each rank knows
+    its received rows' sources (rows come in source order: rank, then token) and where its
+    own tokens landed, without moving anything on the device."""
+
+    def __init__(self, records, max_tokens):
+        ranks = len(records)
+        self.max_tokens = max_tokens  # the global ids' stride (num_max_tokens_per_rank)
+        self.sent = np.stack([np.frombuffer(r[:8 * ranks], dtype="<i8") for r in records])
+        self.bits = np.stack([np.frombuffer(r[8 * ranks:], dtype=np.uint8).reshape(
+            -1, (ranks + 7) // 8) for r in records])  # [ranks, rows, bytes]
+
+    def source_ids(self, rank):
+        """int64 global ids (source rank * max_tokens + token) of the rows `rank` received,
+        in its row order."""
+        byte, bit = divmod(rank, 8)
+        hits = np.nonzero(self.bits[:, :, byte] & (0x80 >> bit))
+        return hits[0] * self.max_tokens + hits[1]  # row-major: by rank, then token
+
+    def destination_rows(self, rank, in_rank):
+        """[tokens, ranks] int32: each of `rank`'s tokens' row among each receiving rank's
+        rows (the lower ranks' tokens come first there), -1 where the token is not sent."""
+        base = self.sent[:rank].sum(axis=0)
+        place = np.cumsum(in_rank, axis=0) - 1 + base
+        return np.where(in_rank, place, -1).astype(np.int32)

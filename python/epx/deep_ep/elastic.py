@@ -6,8 +6,9 @@ do_expand=True, once per (token, local expert) grouped by expert, and whose hand
 (EPHandle) carries the routing as tensors. Here the rows move through an epx normal-mode
 buffer (made at the first dispatch for (hidden, num_experts, num_topk,
 num_max_tokens_per_rank), made again for another shape); the V2 views of them are built
-by _elastic_ops. The rows' source ids travel in a second, 16-byte-per-row dispatch
-through a small side buffer with the same routing. Engram, pipeline send/recv and the
+by _elastic_ops. Each fresh dispatch starts with two small host exchanges over the group:
+the ranks' verdicts on their arguments, then where each rank's tokens go (a bit per
+(token, rank)), from which each rank knows its rows' sources. Engram, pipeline send/recv and the
 all-gather / reduce-scatter sessions are not epx's and raise NotImplementedError.
 docs/PYTHON.md ("DeepEP V2: ElasticBuffer") lists the differences.
 """
@@ -17,7 +18,6 @@ import struct
 import numpy as np
 
 from ..buffer import Buffer as _EpxBuffer
-from ..buffer import _Call
 from .._tensor import RawBits
 from ..errors import EpxError, Status, invalid_argument
 from ..events import EventOverlap
@@ -105,7 +105,6 @@ class ElasticBuffer(Lifetime):
         self.num_rdma_ranks, self.num_nvlink_ranks = self.get_physical_domain_size()
         self.runtime = None  # DeepEP's C++ runtime: epx has none to expose
         self._main = None    # epx.Buffer moving the rows
-        self._side = None    # epx.Buffer moving each row's source id
         self._shape = None   # (hidden, num_experts, num_topk, num_max_tokens_per_rank)
         self._failed = False  # an operation on the buffers failed (they are made again)
 
@@ -173,30 +172,33 @@ class ElasticBuffer(Lifetime):
 
     # ------------------------------------------------------------ the epx buffers
 
-    def _agree(self, shape, op, problem):
+    def _agree(self, shape, op, problem, tokens):
         """Start of every fresh dispatch: the ranks exchange their verdicts on the host
         (this rank's argument error or None, its buffers' failure, the shape (hidden,
-        num_experts, num_topk, max_tokens)), so a mistake on one rank fails the call on
-        every rank before any epx operation, and all ranks agree on whether to make the
-        buffers again (another shape, or a failure anywhere). Returns (main, side)."""
+        num_experts, num_topk, max_tokens), its number of tokens), so a mistake on one
+        rank fails the call on every rank before any epx operation, and all ranks agree on
+        whether to make the buffers again (another shape, or a failure anywhere). Returns
+        (the epx buffer, the most tokens any rank has)."""
         group = self._group()
-        mine = struct.pack("<BB4q", problem is None, self._main_failed(), *(shape or (0,) * 4))
-        votes = [struct.unpack("<BB4q", v) for v in group.allgather(mine)]
+        mine = struct.pack("<BB5q", problem is None, self._main_failed(),
+                           *(shape or (0,) * 4), tokens)
+        votes = [struct.unpack("<BB5q", v) for v in group.allgather(mine)]
+        most_tokens = max(v[6] for v in votes)
         bad = [r for r, v in enumerate(votes) if not v[0]]
         if bad:
             if problem is not None:
                 raise invalid_argument("%s: %s" % (op, problem))
             raise EpxError(Status.ERR_REMOTE, "%s: rank %d refused its arguments (see its "
                            "error there)" % (op, bad[0]))
-        shapes = {v[2:] for v in votes}
+        shapes = {v[2:6] for v in votes}
         if len(shapes) > 1:
             raise invalid_argument("%s: the ranks differ in (hidden, num_experts, num_topk, "
                                    "num_max_tokens_per_rank): %s"
-                                   % (op, ", ".join("rank %d %s" % (r, v[2:])
+                                   % (op, ", ".join("rank %d %s" % (r, v[2:6])
                                                     for r, v in enumerate(votes))))
         any_failed = any(v[1] for v in votes)
         if shape == self._shape and self._main is not None and not any_failed:
-            return self._main, self._side
+            return self._main, most_tokens
         if any_failed and self._main is not None:
             # Healthy here, failed elsewhere: fail them here too, so that every rank frees
             # its buffers locally (destroying a healthy buffer is collective).
@@ -209,11 +211,8 @@ class ElasticBuffer(Lifetime):
         self._main = _EpxBuffer(group, max_tokens_per_rank=max_tokens, hidden=hidden,
                                 num_experts=num_experts, num_topk=num_topk, num_sms=num_sms,
                                 auto_register=_V1Buffer.auto_register)
-        self._side = _EpxBuffer(group, max_tokens_per_rank=max_tokens,
-                                hidden=ops.META_HIDDEN, num_experts=num_experts,
-                                num_topk=num_topk, num_sms=num_sms)
         self._shape, self._failed = shape, False
-        return self._main, self._side
+        return self._main, most_tokens
 
     def _main_failed(self):
         if self._main is None:
@@ -230,14 +229,12 @@ class ElasticBuffer(Lifetime):
             raise
 
     def _fail_buffers(self, error):
-        """Both buffers failed on this rank (each destroyed locally later, as on the peers,
-        whichever of the two saw the failure)."""
-        for buffer in (self._main, self._side):
-            if buffer is not None:
-                try:
-                    buffer.abort(error)
-                except EpxError:
-                    pass
+        """The epx buffer failed on this rank (destroyed locally later, as on the peers)."""
+        if self._main is not None:
+            try:
+                self._main.abort(error)
+            except EpxError:
+                pass
         self._failed = True
 
     def _refuse(self, message):
@@ -249,6 +246,16 @@ class ElasticBuffer(Lifetime):
         if self._main is not None:
             self._fail_buffers(error)  # made again by the next dispatch
         raise error
+
+    def _wait_for(self, event, op):
+        """The caller's previous_event on the current stream; an error there fails the call
+        on every rank (_refuse), as an argument error would."""
+        if event is None:
+            return
+        try:
+            event.current_stream_wait()
+        except Exception as error:  # noqa: BLE001 - reported on every rank
+            self._refuse("%s: previous_event: %s: %s" % (op, type(error).__name__, error))
 
     def _fresh_problem(self, x, topk_idx, num_experts, tokens, alignment):
         if isinstance(x, RawBits):
@@ -269,6 +276,12 @@ class ElasticBuffer(Lifetime):
         if len(x.shape) != 2 or len(topk_idx.shape) != 2:
             return "x and topk_idx must be 2-D, not %s and %s" % (tuple(x.shape),
                                                                 tuple(topk_idx.shape))
+        if int(topk_idx.shape[0]) != int(x.shape[0]):
+            return "topk_idx has %d rows for %d tokens" % (int(topk_idx.shape[0]),
+                                                           int(x.shape[0]))
+        if int(x.shape[0]) > tokens:
+            return "x has %d tokens, more than num_max_tokens_per_rank (%d)" % (
+                int(x.shape[0]), tokens)
         return None
 
     @staticmethod
@@ -276,6 +289,17 @@ class ElasticBuffer(Lifetime):
         if stats is not None and tuple(int(d) for d in stats.shape) != (local,):
             return ("cumulative_local_expert_recv_stats has shape %s, expected [%d] (the "
                     "local experts)" % (tuple(stats.shape), local))
+        return None
+
+    @staticmethod
+    def _ids_problem(idx, num_experts):
+        """Expert ids must be -1 (none) or in [0, num_experts), as epx's dispatch wants
+        (found here, before any epx operation, rather than by the kernels)."""
+        bad = np.argwhere((idx < -1) | (idx >= num_experts))
+        if len(bad):
+            t, j = (int(v) for v in bad[0])
+            return ("topk_idx[%d][%d] is %d, expected -1 (none) or an expert id in 0..%d"
+                    % (t, j, int(idx[t, j]), num_experts - 1))
         return None
 
     @staticmethod
@@ -293,14 +317,12 @@ class ElasticBuffer(Lifetime):
         return None
 
     def _release_buffers(self):
-        buffers, self._main, self._side, self._shape = (self._main, self._side), None, None, \
-            None
-        for buffer in buffers:
-            if buffer is not None:
-                try:
-                    buffer.destroy()
-                except EpxError:
-                    pass  # a failed buffer is freed locally; nothing more to do
+        buffer, self._main, self._shape = self._main, None, None
+        if buffer is not None:
+            try:
+                buffer.destroy()
+            except EpxError:
+                pass  # a failed buffer is freed locally; nothing more to do
 
     # ------------------------------------------------------------ dispatch
 
@@ -343,57 +365,73 @@ class ElasticBuffer(Lifetime):
                 local = num_experts // self.num_ranks
                 idx_in = ops.to_host(topk_idx).astype(np.int64)
                 problem = self._stats_problem(cumulative_local_expert_recv_stats, local) or \
-                    self._distinct_problem(idx_in)
+                    self._ids_problem(idx_in, num_experts) or self._distinct_problem(idx_in)
+                in_rank = ops.ranks_of(idx_in, self.num_ranks, num_experts)
                 shape = (int(x_main.shape[1]), num_experts, num_topk, tokens)
+                if previous_event is not None:
+                    previous_event.current_stream_wait()
         except Exception as error:  # noqa: BLE001 - reported on every rank below
             problem = "%s: %s" % (type(error).__name__, error)
-        main, side = self._agree(None if problem else shape, op, problem)
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        main, most_tokens = self._agree(None if problem else shape, op, problem,
+                                        0 if problem else len(in_rank))
+        routing = ops.Routing(self._group().allgather(ops.routing_record(in_rank, most_tokens)),
+                              tokens)
 
+        # Expanded rows are copied out of the buffer by the expansion itself: views here.
         recv_x, recv_idx, recv_w, counts, epx_handle, _ = self._collective(
             main.dispatch, x, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=alignment, copy=True)
-        n = epx_handle.num_recv_tokens
-        ids = self.rank_idx * tokens + np.arange(int(x_main.shape[0]), dtype=np.int64)
-        recv_meta, _, _, _, side_handle, _ = self._collective(
-            side.dispatch, ops.source_rows(ids, x_main), topk_idx=topk_idx, copy=True)
-        side_handle.destroy()
-        src_ids = ops.source_ids(recv_meta)[:n]
-        recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-
-        idx_host = ops.to_host(recv_idx)[:n]
-        expansion = ops.Expansion(idx_host, local, alignment)
-        meta = np.empty((n, 2 + num_topk), dtype=np.int32)
-        meta[:, 0] = src_ids
-        meta[:, 1] = src_ids // tokens
-        meta[:, 2:] = expansion.slots
-        per_peer = np.bincount((src_ids // tokens) % self.num_scaleup_ranks,
-                               minlength=self.num_scaleup_ranks)
-        worst = do_cpu_sync is not None and not do_cpu_sync
-        handle = EPHandle(
-            do_expand=bool(do_expand), num_experts=num_experts, expert_alignment=alignment,
-            num_max_tokens_per_rank=tokens, num_sms=int(num_sms) or _V1Buffer.num_sms,
-            topk_idx=_copy(topk_idx) if do_handle_copy else topk_idx,
-            num_recv_tokens=self._worst_rows(tokens) if worst else n,
-            num_expanded_tokens=(self._worst_expanded_rows(tokens, local, num_topk, alignment)
-                                 if worst else expansion.rows),
-            num_recv_tokens_per_expert_list=[] if worst else list(counts),
-            psum_num_recv_tokens_per_scaleup_rank=ops.like(
-                np.cumsum(per_peer).astype(np.int32), x_main),
-            psum_num_recv_tokens_per_expert=ops.like(
-                expansion.psum if do_expand else np.cumsum(counts).astype(np.int32), x_main),
-            num_unaligned_recv_tokens_per_expert=ops.like(
-                expansion.counts.astype(np.int32), x_main),
-            recv_src_metadata=ops.like(meta, x_main),
-            dst_buffer_slot_idx=ops.like(
-                self._destination_rows(main, epx_handle, x_main, idx_in, local), x_main))
-        handle._owner, handle._main, handle._epx, handle._received = self, main, epx_handle, n
-        handle._expansion, handle._recv_topk_idx, handle._worst = expansion, recv_idx, worst
-        self._add_stats(cumulative_local_expert_recv_stats, expansion.counts)
-        outputs = self._shape_outputs(recv_x_main, recv_sf, recv_idx, recv_w, handle,
-                                      do_expand, use_tma_aligned_col_major_sf)
-        return outputs + (handle, self._event(x_main, async_with_compute_stream))
+            expert_alignment=alignment, copy=not do_expand)
+        # The peers are past the dispatch: a failure here (out of memory, a device error)
+        # fails the buffers too, so that their next operation stops instead of waiting.
+        try:
+            if do_expand:
+                recv_idx = _copy(recv_idx)  # kept by the handle
+            n = epx_handle.num_recv_tokens
+            src_ids = routing.source_ids(self.rank_idx)
+            if len(src_ids) != n:
+                self._refuse("%s: %d rows arrived, the ranks' routing says %d" % (
+                    op, n, len(src_ids)))
+            recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
+            expansion = ops.expansion_of(recv_idx, local, alignment, n)
+            src_rank = src_ids // tokens
+            head = np.stack([src_ids, src_rank], axis=1).astype(np.int32)
+            if hasattr(expansion, "slots_device"):  # torch: the slots are on the rows' device
+                import torch
+                meta = torch.cat([ops.like(head, x_main), expansion.slots_device], dim=1)
+            else:
+                meta = ops.like(np.concatenate([head, expansion.slots], axis=1), x_main)
+            up = self.num_scaleup_ranks
+            peer_psum = ops.like(np.cumsum(np.bincount(src_rank % up, minlength=up)).astype(
+                np.int32), x_main)
+            worst = do_cpu_sync is not None and not do_cpu_sync
+            handle = EPHandle(
+                do_expand=bool(do_expand), num_experts=num_experts, expert_alignment=alignment,
+                num_max_tokens_per_rank=tokens, num_sms=int(num_sms) or _V1Buffer.num_sms,
+                topk_idx=_copy(topk_idx) if do_handle_copy else topk_idx,
+                num_recv_tokens=self._worst_rows(tokens) if worst else n,
+                num_expanded_tokens=(self._worst_expanded_rows(tokens, local, num_topk, alignment)
+                                     if worst else expansion.rows),
+                num_recv_tokens_per_expert_list=[] if worst else list(counts),
+                psum_num_recv_tokens_per_scaleup_rank=peer_psum,
+                psum_num_recv_tokens_per_expert=(
+                    _on(expansion.psum, x_main) if do_expand
+                    else ops.like(np.cumsum(counts).astype(np.int32), x_main)),
+                num_unaligned_recv_tokens_per_expert=ops.like(
+                    expansion.counts.astype(np.int32), x_main),
+                recv_src_metadata=meta,
+                dst_buffer_slot_idx=ops.like(routing.destination_rows(self.rank_idx, in_rank),
+                                             x_main))
+            handle._owner, handle._main, handle._epx, handle._received = self, main, epx_handle, n
+            handle._expansion, handle._recv_topk_idx, handle._worst = expansion, recv_idx, worst
+            self._add_stats(cumulative_local_expert_recv_stats, expansion.counts)
+            outputs = self._shape_outputs(recv_x_main, recv_sf, recv_idx, recv_w, handle,
+                                          do_expand, use_tma_aligned_col_major_sf)
+            return outputs + (handle, self._event(x_main, async_with_compute_stream))
+        except Exception as error:
+            if not self._failed:
+                self._fail_buffers(EpxError(Status.ERR_INTERNAL, "%s: %s: %s" % (
+                    op, type(error).__name__, error)))
+            raise
 
     def _worst_rows(self, tokens):
         return self.num_ranks * tokens
@@ -402,20 +440,6 @@ class ElasticBuffer(Lifetime):
         """DeepEP's bound on expanded rows without a CPU sync."""
         rows = self.num_ranks * tokens * min(topk, local) + (alignment - 1) * local
         return ops.align(rows, alignment)
-
-    def _destination_rows(self, main, epx_handle, x, idx, local):
-        """[num_tokens, num_ranks] int32: each token's row among each rank's received rows
-        (rows come in source order: the lower ranks' tokens, then this rank's in order),
-        -1 where the token is not sent."""
-        matrix = ops.to_host(_V1Buffer._rank_prefix_matrix(main, epx_handle,
-                                                           _Call(main, "dispatch", x)))
-        tokens = idx.shape[0]
-        in_rank = np.zeros((tokens, self.num_ranks), dtype=bool)
-        rows, cols = np.nonzero(idx >= 0)
-        in_rank[rows, idx[rows, cols] // local] = True
-        base = matrix[self.rank_idx - 1] if self.rank_idx > 0 else np.zeros(self.num_ranks)
-        place = np.cumsum(in_rank, axis=0) - 1 + base.astype(np.int64)
-        return np.where(in_rank, place, -1).astype(np.int32)
 
     def _check_handle(self, handle, op):
         if not isinstance(handle, EPHandle) or getattr(handle, "_owner", None) is not self or \
@@ -470,19 +494,18 @@ class ElasticBuffer(Lifetime):
             do_cpu_sync, do_expand, stats))
         if problem is not None:
             self._refuse("%s: %s" % (op, problem))
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        self._wait_for(previous_event, op)
         main = handle._main
         if topk_weights is not None:
             # epx's cached dispatch moves rows only; with weights, a fresh epx dispatch of
             # the handle's top-k (the same routing, so the same rows in the same order).
             recv_x, _, recv_w, _, fresh, _ = self._collective(
                 main.dispatch, x, topk_idx=handle.topk_idx, topk_weights=topk_weights,
-                expert_alignment=handle.expert_alignment, copy=True)
+                expert_alignment=handle.expert_alignment, copy=not do_expand)
             fresh.destroy()
         else:
             recv_x, _, _, _, _, _ = self._collective(main.dispatch, x, handle=handle._epx,
-                                                     copy=True)
+                                                     copy=not do_expand)
             recv_w = None
         recv_x_main, recv_sf = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
         outputs = self._shape_outputs(recv_x_main, recv_sf, handle._recv_topk_idx, recv_w,
@@ -577,12 +600,13 @@ class ElasticBuffer(Lifetime):
         problem = self._problem_of(lambda: self._combine_problem(x, handle, topk_weights, bias))
         if problem is not None:
             self._refuse("%s: %s" % (op, problem))
-        if previous_event is not None:
-            previous_event.current_stream_wait()
+        self._wait_for(previous_event, op)
         n = handle._received
         try:
             if handle.do_expand:
-                slots = handle._expansion.slots
+                slots = getattr(handle._expansion, "slots_device", None)
+                if slots is None or not hasattr(x, "new_zeros"):
+                    slots = handle._expansion.slots
                 rows = ops.reduce_expanded(x, slots, int(x.shape[1]))
                 weights = ops.weights_of_slots(topk_weights, slots) \
                     if topk_weights is not None else None
@@ -614,6 +638,11 @@ for _name in ("engram_write", "engram_fetch", "pp_set_config", "pp_send", "pp_re
               "create_agrs_session", "destroy_agrs_session", "agrs_new_session",
               "agrs_set_config", "agrs_get_inplace_tensor", "all_gather"):
     setattr(ElasticBuffer, _name, _not_epx(_name))
+
+
+def _on(array, reference):
+    """A device tensor as it is, or a NumPy array as `reference`'s kind."""
+    return array if hasattr(array, "new_zeros") else ops.like(array, reference)
 
 
 def _copy(tensor):
