@@ -143,7 +143,7 @@ class TorchExpansion:
                             torch.full_like(ranks, -1))
         self.slots_device = slots.reshape(n, k).to(torch.int32)
         host = torch.cat([aligned.sum().reshape(1), counts])
-        host = host.cpu().numpy()  # the one wait: the row count and the counts
+        host = host.cpu().numpy()  # a wait for sizes: the row count and the counts
         self.rows = int(host[0])
         self.counts = host[1:].astype(np.int64)
         self.entry_rows, self.entry_cols = valid.nonzero(as_tuple=True)
@@ -259,7 +259,7 @@ def reduce_expanded(x, slots, hidden):
     n = int(slots.shape[0])
     if framework_name(x, "ElasticBuffer.combine of the expanded layout") == "torch":
         torch = importlib.import_module("torch")
-        index = lambda a: _index(a, x).to(torch.int64)  # noqa: E731
+        index = lambda a: _index(a, x)  # noqa: E731 - int64 from _reduce_plan
         if len(some) == n:
             out = x.index_select(0, index(some_slot))
         else:
@@ -304,18 +304,9 @@ def weights_of_slots(weights, slots):
 # ---------------------------------------------------------------- the routing exchange
 
 
-def ranks_of(idx, num_ranks, num_experts):
-    """[tokens, num_ranks] bool: which ranks each token goes to (-1 entries nowhere; ids
-    are checked to be in [-1, num_experts) before)."""
-    idx = np.asarray(idx).astype(np.int64)
-    in_rank = np.zeros((idx.shape[0], num_ranks), dtype=bool)
-    rows, cols = np.nonzero((idx >= 0) & (idx < num_experts))
-    in_rank[rows, idx[rows, cols] // (num_experts // num_ranks)] = True
-    return in_rank
-
-
 def routing_record(in_rank, rows):
-    """This rank's part of the routing exchange (the same length on every rank: `rows` is
+    """This rank's part of the routing exchange, from its is_token_in_rank [tokens, ranks]
+    (_ops.layout) (the same length on every rank: `rows` is
     the most tokens any rank has): its tokens per receiving rank (int64 each), then each
     of `rows` tokens' receiving ranks as bits (np.packbits order; tokens past this rank's
     last go nowhere)."""

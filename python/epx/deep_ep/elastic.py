@@ -22,6 +22,7 @@ from .._tensor import RawBits
 from ..errors import EpxError, Status, invalid_argument
 from ..events import EventOverlap
 from . import _elastic_ops as ops
+from . import _ops
 from .buffer import Buffer as _V1Buffer
 from .buffer import _group_of
 from ._lifetime import Lifetime
@@ -366,7 +367,7 @@ class ElasticBuffer(Lifetime):
                 idx_in = ops.to_host(topk_idx).astype(np.int64)
                 problem = self._stats_problem(cumulative_local_expert_recv_stats, local) or \
                     self._ids_problem(idx_in, num_experts) or self._distinct_problem(idx_in)
-                in_rank = ops.ranks_of(idx_in, self.num_ranks, num_experts)
+                in_rank = _ops.layout(idx_in, num_experts, self.num_ranks)[2]
                 shape = (int(x_main.shape[1]), num_experts, num_topk, tokens)
                 if previous_event is not None:
                     previous_event.current_stream_wait()
