@@ -305,10 +305,17 @@ def refused_on_one_rank(group, call, *words, buffer=None):
         assert "rank 0" in caught.value.message, caught.value.message
 
 
+class BrokenEvent:
+    """A previous_event whose wait fails (as a caller's broken event would)."""
+
+    def current_stream_wait(self):
+        raise RuntimeError("the event is broken")
+
+
 @pytest.mark.parametrize("mistake", ["stats", "twice", "expert id", "tokens", "topk rows",
                                      "handle",
                                      "combine rows", "combine weights", "first call",
-                                     "shape change", "bias"])
+                                     "shape change", "bias", "event", "combine event"])
 def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake):
     case = make_case(group, seed=17)
     buffer = make_buffer(group)
@@ -369,6 +376,18 @@ def test_a_mistake_on_one_rank_fails_the_call_everywhere(group, tensors, mistake
         call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(fewer),  # noqa
                                        num_experts=case.num_experts)
         words = ("topk_idx has %d rows for %d tokens" % (len(x) - 1, len(x)),)
+    elif mistake in ("event", "combine event"):
+        event = BrokenEvent() if bad else None
+        if mistake == "event":
+            call = lambda: buffer.dispatch(tensors.put(x), topk_idx=tensors.put(idx),  # noqa
+                                           num_experts=case.num_experts, previous_event=event)
+            words = ("RuntimeError: the event is broken",)
+        else:
+            rows = case.combine_input(rank, case.dispatch(rank)["src"],
+                                      lambda s: case.inputs(s)[0])
+            call = lambda: buffer.combine(tensors.put(rows), handle,  # noqa: E731
+                                          previous_event=event)
+            words = ("previous_event: RuntimeError: the event is broken",)
     elif mistake == "handle":
         call = lambda: buffer.dispatch(tensors.put(x), handle=handle,  # noqa: E731
                                        topk_idx=tensors.put(idx) if bad else None)
