@@ -96,6 +96,17 @@ class Handle:
         except Exception:
             pass
 
+    def _abandon(self, reason):
+        """Abort (the peers hear of it) and free on this rank only: no vote, so no wait for
+        peers (for an owner leaving without the collective destroy())."""
+        if self._ptr is None:
+            return
+        try:
+            self.abort(reason)
+        except EpxError:
+            pass  # already failed: destroy() frees it locally anyway
+        self.destroy()
+
     def __repr__(self):
         return ("epx.Handle(num_tokens=%d, num_recv_tokens=%d, num_local_experts=%d%s)"
                 % (self.num_tokens, self.num_recv_tokens, self.num_local_experts,
@@ -309,6 +320,17 @@ class Buffer(LowLatencyMixin):
             self.destroy()
         except Exception:
             pass
+
+    def _abandon(self, reason):
+        """Abort (the peers hear of it) and free on this rank only: no vote, so no wait for
+        peers (for an owner leaving without the collective destroy())."""
+        if self._ptr is None:
+            return
+        try:
+            self.abort(reason)
+        except EpxError:
+            pass  # already failed: destroy() frees it locally anyway
+        self.destroy()
 
     def __enter__(self):
         return self

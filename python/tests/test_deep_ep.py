@@ -177,6 +177,46 @@ def test_destroy_needs_explicitly_destroy(group):
                         topk_idx=np.zeros((1, 1), np.int64))
 
 
+def test_collected_without_destroy_leaves_no_wait(group, tensors, capfd):
+    """A buffer made with explicitly_destroy=True and dropped without destroy() (a rank
+    leaving on an exception) is aborted and freed on that rank alone, with no collective
+    step that would wait for peers who never come; the peers' next call ends with
+    ERR_REMOTE naming that rank. (DeepEP's warns and leaks.)"""
+    case = make_case(group, seed=6)
+    buffer = make_buffer(group)
+    x, _, idx, w = case.inputs(group.rank)
+    per_rank, per_expert, in_rank = layout_of(buffer, tensors, case, group.rank)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        tensors.put(x), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=tensors.put(idx),
+        topk_weights=tensors.put(w))
+    group.barrier()
+    if group.rank == 0:
+        import gc
+        del buffer, handle, recv_x
+        gc.collect()
+        assert "collected without destroy()" in capfd.readouterr().err
+        group.barrier()
+        return
+    group.barrier()
+    with pytest.raises(epx.EpxError) as caught:
+        buffer.combine(recv_x, handle)
+        if group.backend == "cuda":
+            # The kernels may meet the abort after the call returned: the async error.
+            import time
+
+            import torch
+            torch.cuda.synchronize()
+            deadline = time.time() + 10
+            while (buffer._normal.get_async_error()[0] == epx.Status.SUCCESS
+                   and time.time() < deadline):
+                time.sleep(0.01)
+            raise epx.EpxError(*buffer._normal.get_async_error())
+    assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
+    assert "rank 0" in caught.value.message, caught.value.message
+    buffer.destroy()
+
+
 # ---------------------------------------------------------------- normal mode
 
 

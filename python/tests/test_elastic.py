@@ -305,6 +305,28 @@ def refused_on_one_rank(group, call, *words, buffer=None):
         assert "rank 0" in caught.value.message, caught.value.message
 
 
+def test_collected_without_destroy_leaves_no_wait(group, tensors, capfd):
+    """A buffer made with explicitly_destroy=True and dropped without destroy() (as when
+    a rank leaves on an exception) is aborted and freed on that rank alone: no collective
+    step that would wait for peers who never come. The peers' next call on it ends with
+    ERR_REMOTE naming that rank."""
+    case = make_case(group, seed=23)
+    buffer = make_buffer(group)
+    recv_x, _, recv_w, handle, _ = dispatch(buffer, tensors, case, group.rank)
+    group.barrier()
+    if group.rank == 0:
+        import gc
+        del buffer, handle, recv_x, recv_w
+        gc.collect()
+        assert "collected without destroy()" in capfd.readouterr().err
+        group.barrier()
+        return
+    group.barrier()
+    refused_on_one_rank(group, lambda: buffer.combine(recv_x, handle, topk_weights=recv_w),
+                        buffer=buffer)
+    buffer.destroy()
+
+
 class BrokenEvent:
     """A previous_event whose wait fails (as a caller's broken event would)."""
 

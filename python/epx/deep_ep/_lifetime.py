@@ -1,7 +1,10 @@
 """The lifetime rules deep_ep.Buffer and deep_ep.ElasticBuffer share (DeepEP's): destroy()
 only with explicitly_destroy, otherwise freed when collected; used after destroy() is an
 error. A class using it sets _NAME, _epx_group, _owns_group and explicitly_destroy, and
-defines _release_buffers() (free its epx buffers)."""
+defines _release_buffers() (free its epx buffers, collectively) and _epx_buffers() (the
+live ones)."""
+
+import sys
 
 from ..errors import EpxError, Status
 
@@ -25,9 +28,30 @@ class Lifetime:
                 self._epx_group.destroy()
             self._epx_group = None
 
+    def _abandon(self):
+        """Collected without destroy() although made with explicitly_destroy: as DeepEP's,
+        no collective step here. This rank may be leaving on an exception, and a vote with
+        peers that never come would hang the process (and its launcher) for good. So the
+        epx buffers are aborted, which ends the peers' current or next call on them with
+        ERR_REMOTE naming this rank, and freed on this rank only."""
+        buffers = [b for b in self._epx_buffers() if b is not None]
+        if buffers:
+            sys.stderr.write("epx: a %s made with explicitly_destroy=True was collected "
+                             "without destroy(): its buffers are aborted and freed on this "
+                             "rank only\n" % self._NAME)
+        for buffer in buffers:
+            buffer._abandon("%s collected without destroy()" % self._NAME)
+        if self._owns_group and self._epx_group is not None:
+            self._epx_group.destroy()
+        self._epx_group = None
+
     def __del__(self):
         try:
-            if not self.explicitly_destroy:
+            if self._epx_group is None:
+                return
+            if self.explicitly_destroy:
+                self._abandon()
+            else:
                 self._release()
         except Exception:
             pass

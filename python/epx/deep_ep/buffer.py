@@ -136,6 +136,9 @@ class Buffer(Lifetime, LowLatencyMethods):
 
     # ------------------------------------------------------------ lifetime
 
+    def _epx_buffers(self):
+        return [self._normal, self._ll]
+
     def _release_buffers(self):
         for buffer in (self._normal, self._ll):
             if buffer is not None:

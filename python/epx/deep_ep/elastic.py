@@ -111,7 +111,8 @@ class ElasticBuffer(Lifetime):
 
     # ------------------------------------------------------------ lifetime
 
-    # destroy(), _release() and _group(): _lifetime.Lifetime; _release_buffers() below.
+    # destroy(), _release() and _group(): _lifetime.Lifetime; _release_buffers() and
+    # _epx_buffers() below.
 
     # ------------------------------------------------------------ sizes and domains
 
@@ -316,6 +317,9 @@ class ElasticBuffer(Lifetime):
             return ("topk_idx names an expert twice in token %d (%s); each token's experts "
                     "must differ" % (int(twice[0]), idx[int(twice[0])].tolist()))
         return None
+
+    def _epx_buffers(self):
+        return [self._main]
 
     def _release_buffers(self):
         buffer, self._main, self._shape = self._main, None, None
