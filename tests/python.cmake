@@ -23,7 +23,7 @@ set(EPX_PY_ENV PYTHONPATH=${EPX_PY_ROOT}/python EPX_LIBRARY=$<TARGET_FILE:epx>
 
 add_test(NAME python.unit
          COMMAND ${EPX_PY_RUN} -- -q ${EPX_PY_TESTS}/test_capi.py ${EPX_PY_TESTS}/test_dlpack.py
-                 ${EPX_PY_TESTS}/test_library.py
+                 ${EPX_PY_TESTS}/test_library.py ${EPX_PY_TESTS}/test_exit.py
          WORKING_DIRECTORY ${EPX_PY_ROOT})
 set_tests_properties(python.unit PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 LABELS python
                      ENVIRONMENT "${EPX_PY_ENV}")

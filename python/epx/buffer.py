@@ -8,7 +8,7 @@ integration can switch with small edits; docs/PYTHON.md lists the differences.
 import ctypes
 import weakref
 
-from . import _capi, _dlpack, _frameworks, _tensor
+from . import _capi, _dlpack, _exit, _frameworks, _tensor
 from .errors import EpxError, Status, check, invalid_argument
 from .events import EventOverlap
 from .group import Group
@@ -92,7 +92,12 @@ class Handle:
 
     def __del__(self):
         try:
-            self.destroy()
+            if _exit.leaving() is not None and self._ptr is not None:
+                # No vote on the way out of a dying process (epx/_exit.py).
+                self._abandon("rank %d is exiting on an uncaught exception (%s)"
+                              % (self.group.rank, _exit.leaving()))
+            else:
+                self.destroy()
         except Exception:
             pass
 
@@ -317,7 +322,12 @@ class Buffer(LowLatencyMixin):
 
     def __del__(self):
         try:
-            self.destroy()
+            if _exit.leaving() is not None and self._ptr is not None:
+                # No vote on the way out of a dying process (epx/_exit.py).
+                self._abandon("rank %d is exiting on an uncaught exception (%s)"
+                              % (self.group.rank, _exit.leaving()))
+            else:
+                self.destroy()
         except Exception:
             pass
 

@@ -401,3 +401,38 @@ def test_with_block_left_on_an_exception_aborts(group, tensors):
         assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
         assert "rank 0" in caught.value.message and "RuntimeError" in caught.value.message, \
             caught.value.message
+
+
+def test_collected_while_leaving_on_an_exception_aborts(group, tensors, monkeypatch, capfd):
+    """A buffer collected while its process dies on an uncaught exception (sys.excepthook
+    ran: epx/_exit.py) does not vote with its peers (they wait in their next operation,
+    here a combine): it aborts, and the peers' combine ends with ERR_REMOTE naming it."""
+    case = Case(group.world_size, seed=43)
+    x, _, idx, w = case.inputs(group.rank)
+    buffer = epx.Buffer(group, max_tokens_per_rank=max(case.num_tokens, 1), hidden=case.hidden,
+                        num_experts=case.num_experts, num_topk=case.num_topk)
+    recv_x, _, _, _, handle, _ = buffer.dispatch(
+        tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
+    if group.rank == 0:
+        import gc
+
+        from epx import _exit
+        monkeypatch.setattr(_exit, "_reason", "RuntimeError: simulated")
+        del buffer, recv_x, handle
+        gc.collect()
+        return
+    with pytest.raises(epx.EpxError) as caught:
+        buffer.combine(recv_x, handle)
+        if group.backend == "cuda":
+            import time
+
+            import torch
+            torch.cuda.synchronize()
+            deadline = time.time() + 10
+            while buffer.get_async_error()[0] == epx.Status.SUCCESS and time.time() < deadline:
+                time.sleep(0.01)
+            raise epx.EpxError(*buffer.get_async_error())
+    assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
+    assert "rank 0" in caught.value.message and "uncaught exception" in caught.value.message, \
+        caught.value.message
+    buffer.destroy()

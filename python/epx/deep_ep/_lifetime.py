@@ -6,6 +6,7 @@ live ones)."""
 
 import sys
 
+from .. import _exit
 from ..errors import EpxError, Status
 
 
@@ -28,19 +29,19 @@ class Lifetime:
                 self._epx_group.destroy()
             self._epx_group = None
 
-    def _abandon(self):
-        """Collected without destroy() although made with explicitly_destroy: as DeepEP's,
-        no collective step here. This rank may be leaving on an exception, and a vote with
+    def _abandon(self, reason):
+        """Collected without destroy() although made with explicitly_destroy (as DeepEP's:
+        no collective step then), or on the way out of a process dying on an uncaught
+        exception (epx/_exit.py). This rank may be leaving on an exception, and a vote with
         peers that never come would hang the process (and its launcher) for good. So the
         epx buffers are aborted, which ends the peers' current or next call on them with
         ERR_REMOTE naming this rank, and freed on this rank only."""
         buffers = [b for b in self._epx_buffers() if b is not None]
         if buffers:
-            sys.stderr.write("epx: a %s made with explicitly_destroy=True was collected "
-                             "without destroy(): its buffers are aborted and freed on this "
-                             "rank only\n" % self._NAME)
+            sys.stderr.write("epx: %s: its buffers are aborted and freed on this rank only\n"
+                             % reason)
         for buffer in buffers:
-            buffer._abandon("%s collected without destroy()" % self._NAME)
+            buffer._abandon(reason)
         if self._owns_group and self._epx_group is not None:
             self._epx_group.destroy()
         self._epx_group = None
@@ -49,8 +50,11 @@ class Lifetime:
         try:
             if self._epx_group is None:
                 return
-            if self.explicitly_destroy:
-                self._abandon()
+            if _exit.leaving() is not None:
+                self._abandon("%s: this rank is exiting on an uncaught exception (%s)"
+                              % (self._NAME, _exit.leaving()))
+            elif self.explicitly_destroy:
+                self._abandon("%s collected without destroy()" % self._NAME)
             else:
                 self._release()
         except Exception:
