@@ -104,7 +104,8 @@ export EPX_LIBRARY="$build/libepx.so" PYTHONPATH="$root/python"
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 EPXTEST_BACKEND=cuda
 tests="$root/python/tests"
 status=0
-"$py" -m pytest -p no:cacheprovider -q "$tests/test_capi.py" "$tests/test_dlpack.py" || status=1
+"$py" -m pytest -p no:cacheprovider -q "$tests/test_capi.py" "$tests/test_dlpack.py" \
+    "$tests/test_exit.py" || status=1
 for n in ${RANKS:-1 2 4}; do
     echo "== multi-rank tests, $n ranks, CUDA backend"
     "$build/epx" launch --mps -n "$n" -- "$py" -m pytest -p no:cacheprovider -q \
