@@ -92,25 +92,9 @@ class Handle:
 
     def __del__(self):
         try:
-            if _exit.leaving() is not None and self._ptr is not None:
-                # No vote on the way out of a dying process (epx/_exit.py).
-                self._abandon("rank %d is exiting on an uncaught exception (%s)"
-                              % (self.group.rank, _exit.leaving()))
-            else:
-                self.destroy()
+            self.destroy()
         except Exception:
             pass
-
-    def _abandon(self, reason):
-        """Abort (the peers hear of it) and free on this rank only: no vote, so no wait for
-        peers (for an owner leaving without the collective destroy())."""
-        if self._ptr is None:
-            return
-        try:
-            self.abort(reason)
-        except EpxError:
-            pass  # already failed: destroy() frees it locally anyway
-        self.destroy()
 
     def __repr__(self):
         return ("epx.Handle(num_tokens=%d, num_recv_tokens=%d, num_local_experts=%d%s)"
