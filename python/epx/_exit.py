@@ -25,8 +25,14 @@ def _install():
 
     def hook(exc_type, exc, traceback):
         global _reason
-        _reason = "%s: %s" % (getattr(exc_type, "__name__", exc_type), exc)
-        previous(exc_type, exc, traceback)
+        try:
+            # An interactive session reports errors through the hook and goes on.
+            if not (hasattr(sys, "ps1") or sys.flags.interactive):
+                _reason = "%s: %s" % (getattr(exc_type, "__name__", exc_type), exc)
+        except Exception:  # noqa: BLE001 - an exception whose str() fails
+            _reason = getattr(exc_type, "__name__", "an exception")
+        finally:
+            previous(exc_type, exc, traceback)
 
     hook.epx_previous = previous
     sys.excepthook = hook

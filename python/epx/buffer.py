@@ -329,15 +329,11 @@ class Buffer(LowLatencyMixin):
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, exc, traceback):
-        if exc_type is None:
-            self.destroy()
-            return
-        # Leaving on an exception: the peers may be in (or about to enter) an operation
-        # this rank will never join, so no destroy vote (it would wait for them for good).
-        # The abort ends their calls with EPX_ERR_REMOTE naming this rank.
-        self._abandon("rank %d left the buffer's with-block on %s: %s"
-                      % (self.group.rank, exc_type.__name__, exc))
+    def __exit__(self, *exc):
+        # Collective even on an exception: the peers may be on their way to the same
+        # destroy (an abort here would leave them waiting in its vote). A rank that raised
+        # while its peers are inside an operation should abort() before leaving.
+        self.destroy()
 
     @property
     def pointer(self):

@@ -371,38 +371,6 @@ def test_buffer_from_env_owns_its_group(group):
     assert info.value.status == epx.Status.ERR_INVALID_STATE
 
 
-def test_with_block_left_on_an_exception_aborts(group, tensors):
-    """A rank leaving `with Buffer(...)` on an exception does not vote with its peers (they
-    are elsewhere: here in a combine it never joins): it aborts, and the peers' combine
-    ends with ERR_REMOTE naming it instead of waiting for the timeout."""
-    case = Case(group.world_size, seed=41)
-    x, _, idx, w = case.inputs(group.rank)
-    with pytest.raises((RuntimeError, epx.EpxError)) as caught:
-        with epx.Buffer(group, max_tokens_per_rank=max(case.num_tokens, 1), hidden=case.hidden,
-                        num_experts=case.num_experts, num_topk=case.num_topk) as buffer:
-            recv_x, _, _, _, handle, _ = buffer.dispatch(
-                tensors.put(x), topk_idx=tensors.put(idx), topk_weights=tensors.put(w))
-            if group.rank == 0:
-                raise RuntimeError("the expert computation failed on rank 0")
-            buffer.combine(recv_x, handle)
-            if group.backend == "cuda":
-                import time
-
-                import torch
-                torch.cuda.synchronize()
-                deadline = time.time() + 10
-                while (buffer.get_async_error()[0] == epx.Status.SUCCESS
-                       and time.time() < deadline):
-                    time.sleep(0.01)
-                raise epx.EpxError(*buffer.get_async_error())
-    if group.rank == 0:
-        assert "expert computation failed" in str(caught.value)
-    else:
-        assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
-        assert "rank 0" in caught.value.message and "RuntimeError" in caught.value.message, \
-            caught.value.message
-
-
 def test_collected_while_leaving_on_an_exception_aborts(group, tensors, monkeypatch, capfd):
     """A buffer collected while its process dies on an uncaught exception (sys.excepthook
     ran: epx/_exit.py) does not vote with its peers (they wait in their next operation,
@@ -433,6 +401,7 @@ def test_collected_while_leaving_on_an_exception_aborts(group, tensors, monkeypa
                 time.sleep(0.01)
             raise epx.EpxError(*buffer.get_async_error())
     assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
-    assert "rank 0" in caught.value.message and "uncaught exception" in caught.value.message, \
-        caught.value.message
+    assert "rank 0" in caught.value.message, caught.value.message
+    if group.backend == "host":  # the CUDA backend's abort word carries no text
+        assert "uncaught exception" in caught.value.message, caught.value.message
     buffer.destroy()

@@ -37,11 +37,14 @@ class Lifetime:
         epx buffers are aborted, which ends the peers' current or next call on them with
         ERR_REMOTE naming this rank, and freed on this rank only."""
         buffers = [b for b in self._epx_buffers() if b is not None]
-        if buffers:
-            sys.stderr.write("epx: %s: its buffers are aborted and freed on this rank only\n"
-                             % reason)
         for buffer in buffers:
             buffer._abandon(reason)
+        if buffers:
+            try:  # after the aborts: stderr may be a pipe nobody reads any more
+                sys.stderr.write("epx: %s: its buffers were aborted and freed on this rank "
+                                 "only\n" % reason)
+            except Exception:  # noqa: BLE001
+                pass
         if self._owns_group and self._epx_group is not None:
             self._epx_group.destroy()
         self._epx_group = None
