@@ -419,11 +419,24 @@ typedef struct {
      * bias), are accepted.)
      */
     epx_tensor_t bias[2];
+    /*
+     * Optional [tokens, num_topk] int64, in the memory dispatch's topk_idx takes (device
+     * memory on the CUDA backend): the top-k expert ids of the dispatch (-1: none). When
+     * given, each token's rows are summed in the order of DeepEP V2 instead of rank
+     * order: a rank's row comes at the place of its last entry in the token's row here
+     * (ranks named nowhere in it, after those named, in rank order). Across nodes the same
+     * rule orders the ranks inside a node and the nodes' partials (a node at the place of
+     * its last entry). The biases still come first; out_topk_weights is summed in the
+     * same order. One node only on the CUDA backend (across nodes it is refused,
+     * EPX_ERR_UNSUPPORTED). (Appended in epx 0.1: args of the older sizes, up to bias or
+     * to this field, are accepted.)
+     */
+    epx_tensor_t order_topk_idx;
 } epx_combine_args_t;
 
 #define EPX_COMBINE_ARGS_INIT                                                              \
     {sizeof(epx_combine_args_t), NULL, EPX_TENSOR_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
-     EPX_TENSOR_NONE, {EPX_TENSOR_NONE, EPX_TENSOR_NONE}}
+     EPX_TENSOR_NONE, {EPX_TENSOR_NONE, EPX_TENSOR_NONE}, EPX_TENSOR_NONE}
 
 /*
  * Zero-copy combine input. Fills `x` with a bf16 [rows, hidden] view of memory inside the

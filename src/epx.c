@@ -379,9 +379,10 @@ epx_status_t epx_combine(epx_buffer_t buffer, const epx_combine_args_t *args, vo
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, "combine", "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, "combine"));
     EPX_CHECK(check_normal_mode(buffer, "combine"));
-    /* Args from before the bias fields were appended: read as the full struct. */
+    /* Args from before the bias or order fields were appended: read as the full struct. */
     epx_combine_args_t full;
-    if (args != NULL && args->size == offsetof(epx_combine_args_t, bias)) {
+    if (args != NULL && (args->size == offsetof(epx_combine_args_t, bias) ||
+                         args->size == offsetof(epx_combine_args_t, order_topk_idx))) {
         epx__combine_args_read(args, &full);
         args = &full;
     }

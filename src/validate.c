@@ -338,7 +338,8 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
     if (args->size != sizeof(epx_combine_args_t) &&
-        args->size != offsetof(epx_combine_args_t, bias))
+        args->size != offsetof(epx_combine_args_t, bias) &&
+        args->size != offsetof(epx_combine_args_t, order_topk_idx))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_COMBINE_ARGS_INIT)", op,
                          args->size, sizeof(epx_combine_args_t));
@@ -370,6 +371,9 @@ epx_status_t epx__validate_combine(epx_buffer_t buffer, const epx_combine_args_t
         EPX_CHECK(epx__check_tensor(op, bias_names[j], &args->bias[j], EPX_DTYPE_BF16, 2,
                                     handle->num_tokens, config->hidden));
     }
+    if (epx__tensor_given(&args->order_topk_idx))
+        EPX_CHECK(epx__check_tensor(op, "order_topk_idx", &args->order_topk_idx,
+                                    EPX_DTYPE_INT64, 2, handle->num_tokens, config->num_topk));
     return EPX_SUCCESS;
 }
 

@@ -203,6 +203,7 @@ class CombineArgs(Structure):
         ("out_x", Tensor),
         ("out_topk_weights", Tensor),
         ("bias", Tensor * 2),
+        ("order_topk_idx", Tensor),
     ]
 
 

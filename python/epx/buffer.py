@@ -681,7 +681,7 @@ class Buffer(LowLatencyMixin):
         return arg.data, (last + 1) * itemsize
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
-                async_finish=False, allocate_on_comm_stream=False):
+                async_finish=False, allocate_on_comm_stream=False, order_topk_idx=None):
         """Send each received row back to its token's rank, summed there (collective).
 
         x: [num_recv_tokens, hidden] bf16, rows in the order dispatch returned them. Best
@@ -690,6 +690,9 @@ class Buffer(LowLatencyMixin):
         handle: from that dispatch. topk_weights: [num_recv_tokens, num_topk] fp32, summed
         the same way. bias: a [num_tokens, hidden] bf16 tensor or a pair of them, added to
         the result (DeepEP's order: the sum starts from bias_0 + bias_1, in fp32).
+        order_topk_idx: the dispatch's topk_idx [num_tokens, num_topk] int64, to add each
+        token's rows in DeepEP V2's order (a rank's row where its last entry stands) instead
+        of rank order (epx_combine_args_t.order_topk_idx; one node only on CUDA).
 
         Returns (combined_x [num_tokens, hidden] bf16, combined_topk_weights or None,
         event), new tensors of x's framework.
@@ -703,6 +706,7 @@ class Buffer(LowLatencyMixin):
             call.fail("bias is a tuple of %d tensors; DeepEP's bias is one tensor or two"
                       % len(biases))
         bias_args = [call.tensor(b, "bias[%d]" % i) for i, b in enumerate(biases[:2])]
+        order_arg = call.tensor(order_topk_idx, "order_topk_idx")
         handle = self._check_handle(call, handle, required=True)
         if call.problems:
             self._raise_problems(call)
@@ -718,6 +722,8 @@ class Buffer(LowLatencyMixin):
         for i, bias_arg in enumerate(bias_args):
             if bias_arg is not None:
                 args.bias[i] = bias_arg.c_tensor()
+        if order_arg is not None:
+            args.order_topk_idx = order_arg.c_tensor()
         if weights_arg is not None:
             out_weights = fw.empty((handle.num_tokens, self.num_topk), _capi.DTYPE_FP32, False,
                                    call.device, x)
@@ -727,7 +733,8 @@ class Buffer(LowLatencyMixin):
         out_x = fw.finish(out_x)
         if out_weights is not None:
             out_weights = fw.finish(out_weights)
-        event = self._end(call, async_finish, (x, topk_weights, out_x, out_weights))
+        event = self._end(call, async_finish, (x, topk_weights, order_topk_idx, out_x,
+                                               out_weights))
         return out_x, out_weights, event
 
     # ------------------------------------------------------------ low latency (low_latency.py)

@@ -426,6 +426,26 @@ void moe_expected_free(moe_expected_t *e)
 void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t src_token,
                      uint16_t *row)
 {
+    if (c->cancelling_rows) {
+        int64_t idx[256];
+        float weights[256];
+        int lowest = -1, highest = -1, receivers = 0;
+        if (c->num_topk <= 256) {
+            make_routing_row(c, src_rank, src_token, idx, weights);
+            for (int r = 0; r < c->world_size; r++)
+                if (token_goes_to(c, idx, r)) {
+                    lowest = lowest < 0 ? r : lowest;
+                    highest = r;
+                    receivers++;
+                }
+        }
+        if (receivers >= 3 && (recv_rank == lowest || recv_rank == highest)) {
+            uint16_t big = moe_float_to_bf16(recv_rank == lowest ? 65536.0f : -65536.0f);
+            for (int64_t i = 0; i < c->hidden; i++)
+                row[i] = big;
+            return;
+        }
+    }
     /* The stream folds in the receiving rank so each rank's row differs. */
     uint64_t stream = STREAM_COMBINE + ((uint64_t)recv_rank << 8);
     uint64_t key = random_row_key(c->seed, (uint64_t)src_rank, stream, (uint64_t)src_token);
@@ -434,14 +454,42 @@ void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t s
 }
 
 /*
+ * The ranks that receive token t, in the order their rows are added: rank order, or with
+ * `topk_order` DeepEP V2's: each rank where its last entry in idx stands. Returns how
+ * many were written to `ranks` ([world_size]).
+ */
+static int summation_order(const moe_case_t *c, const int64_t *idx, int topk_order, int *ranks)
+{
+    int n = 0;
+    if (!topk_order) {
+        for (int r = 0; r < c->world_size; r++)
+            if (token_goes_to(c, idx, r))
+                ranks[n++] = r;
+        return n;
+    }
+    for (int j = 0; j < c->num_topk; j++) {
+        if (idx[j] < 0)
+            continue;
+        int r = home_rank_of_expert(c, idx[j]), named_later = 0;
+        for (int later = j + 1; later < c->num_topk; later++)
+            named_later |= idx[later] >= 0 && home_rank_of_expert(c, idx[later]) == r;
+        if (!named_later)
+            ranks[n++] = r;
+    }
+    return n;
+}
+
+/*
  * One token's output row: from its biases (`bias` rows, NULL: none), the rows of its
- * receivers summed node by node (the formula in moe_case.h). On one node the rows go
+ * receivers summed node by node (the formula in moe_case.h), in summation_order: a node
+ * where its last receiver stands, its receivers in that order. On one node the rows go
  * straight into the total: without biases the same bits as a partial rounded to bf16,
- * with them DeepEP's flat order. `partial` and `total` are [hidden] scratch.
+ * with them DeepEP's flat order. `partial` and `total` are [hidden] scratch, `ranks`
+ * [world_size].
  */
 static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_t *idx,
-                          const uint16_t *const bias[2], float *partial, float *total,
-                          uint16_t *row, uint16_t *out)
+                          const uint16_t *const bias[2], int topk_order, int *ranks,
+                          float *partial, float *total, uint16_t *row, uint16_t *out)
 {
     int64_t hidden = c->hidden;
     int per_node = node_size(c);
@@ -451,23 +499,31 @@ static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_
     for (int b = 0; b < 2; b++)
         for (int64_t i = 0; bias[b] != NULL && i < hidden; i++)
             total[i] += moe_bf16_to_float(bias[b][t * hidden + i]);
-    for (int node = 0; node < c->world_size / per_node; node++) {
-        int received = 0;
-        float *sum = one_node ? total : partial;
-        for (int64_t i = 0; !one_node && i < hidden; i++)
-            partial[i] = 0.0f;
-        for (int r = node * per_node; r < (node + 1) * per_node; r++) {
-            if (!token_goes_to(c, idx, r))
-                continue;
-            received = 1;
-            moe_combine_row(c, r, rank, t, row);
+    int n = summation_order(c, idx, topk_order, ranks);
+    for (int k = 0; k < n; k++) {
+        int node = ranks[k] / per_node, node_later = 0;
+        for (int later = k + 1; later < n; later++)
+            node_later |= ranks[later] / per_node == node;
+        if (node_later && !one_node)
+            continue; /* the node is added where its last receiver stands */
+        if (one_node) {
+            moe_combine_row(c, ranks[k], rank, t, row);
             for (int64_t i = 0; i < hidden; i++)
-                sum[i] += moe_bf16_to_float(row[i]);
+                total[i] += moe_bf16_to_float(row[i]);
+            continue;
+        }
+        for (int64_t i = 0; i < hidden; i++)
+            partial[i] = 0.0f;
+        for (int m = 0; m <= k; m++) {
+            if (ranks[m] / per_node != node)
+                continue;
+            moe_combine_row(c, ranks[m], rank, t, row);
+            for (int64_t i = 0; i < hidden; i++)
+                partial[i] += moe_bf16_to_float(row[i]);
         }
         /* The node's partial crosses the network as bf16. */
-        if (received && !one_node)
-            for (int64_t i = 0; i < hidden; i++)
-                total[i] += moe_bf16_to_float(moe_float_to_bf16(partial[i]));
+        for (int64_t i = 0; i < hidden; i++)
+            total[i] += moe_bf16_to_float(moe_float_to_bf16(partial[i]));
     }
     /* A token sent nowhere (without biases) sums to +0, whose bf16 bits are 0. */
     for (int64_t i = 0; i < hidden; i++)
@@ -476,11 +532,17 @@ static void combine_token(const moe_case_t *c, int rank, int64_t t, const int64_
 
 int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x)
 {
-    return moe_oracle_combine_biased(c, rank, NULL, NULL, out_x);
+    return moe_oracle_combine_ordered(c, rank, NULL, NULL, 0, out_x);
 }
 
 int moe_oracle_combine_biased(const moe_case_t *c, int rank, const uint16_t *bias0,
                               const uint16_t *bias1, uint16_t **out_x)
+{
+    return moe_oracle_combine_ordered(c, rank, bias0, bias1, 0, out_x);
+}
+
+int moe_oracle_combine_ordered(const moe_case_t *c, int rank, const uint16_t *bias0,
+                               const uint16_t *bias1, int topk_order, uint16_t **out_x)
 {
     const uint16_t *const bias[2] = {bias0, bias1};
     *out_x = NULL;
@@ -494,12 +556,15 @@ int moe_oracle_combine_biased(const moe_case_t *c, int rank, const uint16_t *bia
     uint16_t *row = alloc_zeroed(hidden, sizeof(uint16_t));
     int64_t *idx = alloc_zeroed(c->num_topk, sizeof(int64_t));
     float *weights = alloc_zeroed(c->num_topk, sizeof(float));
+    int *ranks = alloc_zeroed(c->world_size, sizeof(int));
     int ok = out != NULL && partial != NULL && total != NULL && row != NULL && idx != NULL &&
-             weights != NULL;
+             weights != NULL && ranks != NULL;
     for (int64_t t = 0; ok && t < n; t++) {
         make_routing_row(c, rank, t, idx, weights);
-        combine_token(c, rank, t, idx, bias, partial, total, row, out + t * hidden);
+        combine_token(c, rank, t, idx, bias, topk_order, ranks, partial, total, row,
+                      out + t * hidden);
     }
+    free(ranks);
     free(partial);
     free(total);
     free(row);

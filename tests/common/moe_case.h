@@ -34,6 +34,9 @@ typedef struct {
     int empty_rank;          /* this rank passes 0 tokens; -1 = none */
     int ranks_per_node;      /* node size for combine's summation order (rank r is on
                                 node r / ranks_per_node); 0 = all ranks on one node */
+    int cancelling_rows;     /* combine rows (moe_combine_row): a token's lowest and highest
+                                receivers send +2^16 and -2^16 (when it has three or more),
+                                so that its sum depends on the order of the additions */
 } moe_case_t;
 
 /* One rank's inputs, host memory. x is bf16 (uint16 bits) or fp8 bytes. */
@@ -90,6 +93,14 @@ int moe_oracle_combine(const moe_case_t *c, int rank, uint16_t **out_x);
  */
 int moe_oracle_combine_biased(const moe_case_t *c, int rank, const uint16_t *bias0,
                               const uint16_t *bias1, uint16_t **out_x);
+/*
+ * The same with `topk_order` (epx_combine_args_t.order_topk_idx given the dispatch's
+ * top-k ids): the receivers' rows in DeepEP V2's order, each where its rank's last entry
+ * in the token's top-k row stands; across nodes each node's partial where its last
+ * receiver stands, its receivers in that order. 0: as moe_oracle_combine_biased.
+ */
+int moe_oracle_combine_ordered(const moe_case_t *c, int rank, const uint16_t *bias0,
+                               const uint16_t *bias1, int topk_order, uint16_t **out_x);
 
 /* Top-k expert ids of rank `rank`'s tokens, [num_tokens, num_topk] (what
  * moe_inputs_make gives, without the rows). Returns the token count, -1 on a bad case. */

@@ -81,6 +81,14 @@ static void bias0_hidden(epx_combine_args_t *a)
     a->bias[0] = a->out_x;
     a->bias[0].shape[1] = BI_HIDDEN / 2;
 }
+/* order_topk_idx over out_topk_weights' memory (never read: refused first). */
+static void order_dtype(epx_combine_args_t *a) { a->order_topk_idx = a->out_topk_weights; }
+static void order_columns(epx_combine_args_t *a)
+{
+    a->order_topk_idx = a->out_topk_weights;
+    a->order_topk_idx.dtype = EPX_DTYPE_INT64;
+    a->order_topk_idx.shape[1] += 1;
+}
 
 typedef struct {
     const char *what;
@@ -105,6 +113,8 @@ static const combine_case_t combine_cases[] = {
     {"combine: bias[0] rows != dispatch tokens", bias0_rows, "bias"},
     {"combine: bias[1] dtype fp32", bias1_dtype, "bias"},
     {"combine: bias[0] hidden wrong", bias0_hidden, "bias"},
+    {"combine: order_topk_idx dtype fp32", order_dtype, "order_topk_idx"},
+    {"combine: order_topk_idx columns != num_topk", order_columns, "order_topk_idx"},
 };
 
 /* Handles belong to the buffer that made them. */

@@ -407,6 +407,70 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
 }
 
 /*
+ * Combine in DeepEP V2's order (order_topk_idx = the dispatch's top-k ids): the rows of
+ * a token with three or more receivers cancel (+2^16 from the lowest, -2^16 from the
+ * highest: the case's cancelling_rows), so the sum depends on the order of the additions
+ * and the oracle's rank order and top-k order differ in places (counted: with random
+ * routing on one node, every rank with 32 tokens or more, top-4 or more over 4 ranks or
+ * more must see some; across nodes each node's partial is rounded to bf16, which hides
+ * the small rows next to 2^16, so there the check is the oracle's bits only). The library
+ * must give the top-k order's bits, with and without biases.
+ */
+static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
+                                void *topk_idx, int with_bias)
+{
+    const char *step = with_bias ? "combine in DeepEP V2's order, with biases"
+                                 : "combine in DeepEP V2's order";
+    moe_case_t c = *ctx->c;
+    c.cancelling_rows = 1;
+    const moe_expected_t *e = ctx->e;
+    int64_t hidden = c.hidden, n = ctx->in->num_tokens;
+    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *bias = calloc((size_t)(2 * n * hidden) + 1, 2);
+    uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
+    CHECK(rows != NULL && bias != NULL && got != NULL);
+    for (int64_t i = 0; i < e->num_recv; i++)
+        moe_combine_row(&c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
+                        rows + i * hidden);
+    for (int64_t i = 0; i < 2 * n * hidden; i++)
+        bias[i] = moe_float_to_bf16((float)((i * 5 + i / hidden * 13) % 11 - 5) * 0.125f);
+    const uint16_t *bias0 = with_bias ? bias : NULL, *bias1 = with_bias ? bias + n * hidden : NULL;
+    uint16_t *want = NULL, *ranked = NULL;
+    CHECK_EQ_INT(moe_oracle_combine_ordered(&c, ctx->rank, bias0, bias1, 1, &want), 0);
+    CHECK_EQ_INT(moe_oracle_combine_ordered(&c, ctx->rank, bias0, bias1, 0, &ranked), 0);
+    int64_t differ = 0;
+    for (int64_t i = 0; i < n * hidden; i++)
+        differ += want[i] != ranked[i];
+    int one_node = c.ranks_per_node == 0 || c.ranks_per_node == c.world_size;
+    if (one_node && n >= 32 && c.world_size >= 4 && c.num_topk >= 4 &&
+        c.routing == MOE_ROUTING_RANDOM)
+        CHECK(differ > 0); /* the case tells the two orders apart */
+    void *x = mr_mem_from_host(rows, (size_t)(e->num_recv * hidden) * 2 + 2);
+    void *biases = mr_mem_from_host(bias, (size_t)(2 * n * hidden) * 2 + 2);
+    void *out_x = mr_mem_alloc((size_t)(n * hidden) * 2 + 2, 0xff);
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = handle;
+    args.x = epx_tensor_2d(x, EPX_DTYPE_BF16, e->num_recv, hidden);
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, hidden);
+    if (with_bias) {
+        args.bias[0] = epx_tensor_2d(biases, EPX_DTYPE_BF16, n, hidden);
+        args.bias[1] = epx_tensor_2d((uint16_t *)biases + n * hidden, EPX_DTYPE_BF16, n, hidden);
+    }
+    args.order_topk_idx = epx_tensor_2d(topk_idx, EPX_DTYPE_INT64, n, c.num_topk);
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    free(rows);
+    free(bias);
+    free(want);
+    free(ranked);
+    free(got);
+    mr_mem_free(x);
+    mr_mem_free(biases);
+    mr_mem_free(out_x);
+}
+
+/*
  * Combine through the zero-copy input (epx_get_combine_input): the view has the
  * handle's rows (max_tokens * R when the host does not know them: worst-case mode on a
  * GPU) and is the same memory every time. The moe_combine_row rows are written into it
@@ -635,9 +699,39 @@ static void check_fanout_refused_across_nodes(epx_group_t group,
     mr_mem_free(x);
 }
 
+/*
+ * The CUDA backend across nodes refuses combine's order_topk_idx (on every rank alike, so
+ * nobody waits); the buffer is failed by it, so this runs on a buffer of its own.
+ */
+static void check_order_refused_across_nodes(const nt_ctx_t *ctx, epx_group_t group,
+                                             const epx_buffer_config_t *config,
+                                             const inputs_t *in)
+{
+    const moe_case_t *c = ctx->c;
+    int64_t n = in->host.num_tokens;
+    epx_buffer_t buffer;
+    CHECK_OK(epx_buffer_create(group, config, &buffer));
+    epx_dispatch_args_t dargs = dispatch_args(c, in);
+    epx_dispatch_result_t res = EPX_DISPATCH_RESULT_INIT;
+    CHECK_OK(epx_dispatch(buffer, &dargs, &res, NULL));
+    void *out_x = mr_mem_alloc((size_t)(n * c->hidden) * 2 + 2, 0);
+    epx_tensor_t x;
+    CHECK_OK(epx_get_combine_input(buffer, res.handle, &x));
+    epx_combine_args_t args = EPX_COMBINE_ARGS_INIT;
+    args.handle = res.handle;
+    args.x = x;
+    args.out_x = epx_tensor_2d(out_x, EPX_DTYPE_BF16, n, c->hidden);
+    args.order_topk_idx = epx_tensor_2d(in->idx, EPX_DTYPE_INT64, n, c->num_topk);
+    CHECK_STATUS(epx_combine(buffer, &args, NULL), EPX_ERR_UNSUPPORTED);
+    CHECK_ERROR_MENTIONS("across nodes");
+    CHECK_OK(epx_handle_destroy(res.handle));
+    CHECK_OK(epx_buffer_destroy(buffer));
+    mr_mem_free(out_x);
+}
+
 /* The first round: every way of calling dispatch and combine, on buffer `buffer`. */
 static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const inputs_t *in,
-                           int64_t max_tokens)
+                           int64_t max_tokens, int order_supported)
 {
     const moe_case_t *c = ctx->c;
     outputs_t exact, worst;
@@ -653,6 +747,10 @@ static void run_full_round(const nt_ctx_t *ctx, epx_buffer_t buffer, const input
     combine_registered_check(ctx, buffer, views);
     combine_bias_check(ctx, buffer, views, 0);
     combine_bias_check(ctx, buffer, views, 1);
+    if (order_supported) {
+        combine_order_check(ctx, buffer, views, in->idx, 0);
+        combine_order_check(ctx, buffer, views, in->idx, 1);
+    }
     if (c->dtype == EPX_DTYPE_BF16)
         roundtrip_check(ctx, buffer, owned, exact.x);
     combine_view_check(ctx, buffer, views, max_tokens, 1, "combine through the input view");
@@ -706,9 +804,14 @@ static void run_case(epx_group_t group, const epx_group_info_t *info, int index)
         CHECK_EQ_INT(moe_oracle_dispatch(&c, info->rank, &e), 0);
         nt_ctx_t ctx = {nc->name, info->rank, &c, &e, &in.host};
         if (round == 0) {
-            run_full_round(&ctx, buffer, &in, nc->max_tokens);
-            if (info->ranks_per_node < info->world_size && index == 0)
+            /* DeepEP V2's summation order: not yet across nodes on the CUDA backend. */
+            int spans = info->ranks_per_node < info->world_size;
+            int order_supported = !(spans && info->backend == EPX_BACKEND_CUDA);
+            run_full_round(&ctx, buffer, &in, nc->max_tokens, order_supported);
+            if (spans && index == 0)
                 check_fanout_refused_across_nodes(group, &config);
+            if (!order_supported && index == 0)
+                check_order_refused_across_nodes(&ctx, group, &config, &in);
         } else {
             snprintf(step, sizeof step, "round %d dispatch", round);
             epx_handle_t handle = dispatch_fresh_views(&ctx, buffer, &in, step);

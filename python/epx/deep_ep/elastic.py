@@ -592,8 +592,10 @@ class ElasticBuffer(Lifetime):
         are first summed per received row in top-k order (fp32, one rounding: DeepEP's
         reduction within a rank). topk_weights ([n, k], or [rows] expanded) come back
         summed per token ([num_tokens, k], each entry from the rank of its expert). The
-        sum over ranks is epx's combine (fp32 in rank order, bias_0 + bias_1 first;
-        across nodes per node first)."""
+        sum over ranks is epx's combine in DeepEP V2's order (bias_0 + bias_1 first, then
+        each rank's row where its last top-k entry stands; across nodes per node first,
+        each node where its last entry stands; rank order on the CUDA backend across
+        nodes)."""
         op = "ElasticBuffer.combine"
         self._check_handle(handle, op)
         if handle.do_expand and not self.allow_multiple_reduction:
@@ -622,8 +624,18 @@ class ElasticBuffer(Lifetime):
             self._fail_buffers(EpxError(Status.ERR_INVALID_ARG, "%s: %s" % (op, error)))
             raise
         combined_x, combined_w, _ = self._collective(handle._main.combine, rows, handle._epx,
-                                                     weights, bias)
+                                                     weights, bias,
+                                                     order_topk_idx=self._order_of(handle))
         return combined_x, combined_w, self._event(x, async_with_compute_stream)
+
+    def _order_of(self, handle):
+        """DeepEP V2's summation order (each rank's row where its last top-k entry stands,
+        epx_combine_args_t.order_topk_idx): the dispatch's topk_idx, except on the CUDA
+        backend across nodes, which does not take it yet (rank order there)."""
+        group = self._group()
+        if group.backend == "cuda" and 0 < group.ranks_per_node < group.world_size:
+            return None
+        return handle.topk_idx
 
     def __repr__(self):
         return ("deep_ep.ElasticBuffer(epx, rank=%d of %d, shape %s)"

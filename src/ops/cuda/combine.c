@@ -117,6 +117,11 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     const epx__cuda_handle_state_t *state = handle->backend_state;
     if (state == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
+    /* The same answer on every rank (the group's shape), before anything is queued. */
+    if (cuda->xn != NULL && epx__tensor_given(&args->order_topk_idx))
+        return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                         "combine: order_topk_idx (DeepEP V2's summation order) across nodes is "
+                         "not supported by the CUDA backend yet (one node, or the CPU backend)");
 
     int64_t rows = args->x.shape[0];
     if (rows > s->max_recv)
@@ -182,6 +187,10 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     c.xn = state->xn;
     c.kernels = cuda->kernels;
     c.num_sms = cuda->num_sms;
+    if (epx__tensor_given(&args->order_topk_idx)) {
+        c.order_topk = args->order_topk_idx.data;
+        c.order_stride = epx__tensor_row_stride(&args->order_topk_idx);
+    }
     EPX_CUDA_CHECK(epx__cuda_run_combine(cuda, &c, st), "combine: launching the combine kernel");
     return EPX_SUCCESS;
 }

@@ -30,6 +30,7 @@
  * Buffer use: reads only; the row of a token at rank r is send_row[t][r] < rows of r's
  * x (checked; a short x is an error naming the rank, never an out-of-bounds read).
  */
+#include "combine_order.cuh"
 #include "reduce.cuh"
 #include "signal.cuh"
 
@@ -128,7 +129,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     __syncthreads();
 
     const int lane = epx_lane(), warp = epx_warp();
-    const unsigned lanes_below = (1u << lane) - 1u;
     const int64_t units = s.hidden * 2 / 16;
     const int64_t first_warp = (int64_t)blockIdx.x * EPX_COMBINE_WARPS + warp;
     const int64_t num_warps = (int64_t)gridDim.x * EPX_COMBINE_WARPS;
@@ -137,25 +137,31 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     uint32_t ticket = 0;
     for (int64_t t = first_warp; t < a.num_tokens; t = epx_ticket_token(ticket, num_warps)) {
         ticket = epx_ticket_take(tickets, lane);
-        int n = 0;
-        for (int r0 = 0; r0 < R; r0 += 32) {
-            int r = r0 + lane;
-            int32_t row = r < R ? a.send_row[t * R + r] : -1;
-            if (row >= 0 && row >= x_rows[r]) {
+        /* The lane's ranks lane and lane + 32 (EPX_CUDA_MAX_RANKS is 64). */
+        int32_t rows[2];
+        for (int h = 0; h < 2; h++) {
+            const int r = lane + 32 * h;
+            rows[h] = r < R ? a.send_row[t * R + r] : -1;
+            if (rows[h] >= 0 && rows[h] >= x_rows[r]) {
                 epx_record_failure(s, EPX_CUDA_FAIL_ROWS, EPX_CUDA_STAGE_COMBINE_READY, r, me,
-                                   row, x_rows[r], 1);
-                row = -1;
+                                   rows[h], x_rows[r], 1);
+                rows[h] = -1;
             }
-            unsigned ballot = __ballot_sync(0xffffffffu, row >= 0);
-            if (row >= 0) {
-                int pos = n + __popc(ballot & lanes_below);
-                src_row[warp][pos] = x_base[r] + (int64_t)row * x_stride[r];
-                src_weights[warp][pos] = reinterpret_cast<const float *>(
-                                             epx_peer(s, r) + s.off_combine_weights) +
-                                         (int64_t)row * K;
-            }
-            n += __popc(ballot);
         }
+        int at[2];
+        epx_combine_places(a, K, s.num_local_experts, R, t, rows[0] >= 0, rows[1] >= 0, lane,
+                           &at[0], &at[1]);
+        for (int h = 0; h < 2; h++) {
+            const int r = lane + 32 * h;
+            if (rows[h] >= 0) {
+                src_row[warp][at[h]] = x_base[r] + (int64_t)rows[h] * x_stride[r];
+                src_weights[warp][at[h]] = reinterpret_cast<const float *>(
+                                               epx_peer(s, r) + s.off_combine_weights) +
+                                           (int64_t)rows[h] * K;
+            }
+        }
+        const int n = __popc(__ballot_sync(0xffffffffu, rows[0] >= 0)) +
+                      __popc(__ballot_sync(0xffffffffu, rows[1] >= 0));
         __syncwarp();
 
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride;

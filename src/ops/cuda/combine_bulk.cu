@@ -1,6 +1,7 @@
 /*
  * Combine pull kernel, bulk-copy form (EPX_NORMAL_KERNELS=2). What it reads, the order of
- * the sums (bias first, then the sources in rank order: bit-exact with combine.cu), the
+ * the sums (bias first, then the sources in rank order or the order of combine_order.cuh:
+ * bit-exact with combine.cu), the
  * row checks and the signals are those of combine.cu (read its comment first); it runs
  * after the same ready kernel.
  *
@@ -23,6 +24,7 @@
  * slots does not fit.
  */
 #include "bulk.cuh"
+#include "combine_order.cuh"
 #include "reduce.cuh"
 #include "signal.cuh"
 
@@ -50,11 +52,12 @@ __device__ __forceinline__ int32_t *epx_sources(char *route)
 }
 
 /*
- * Whole warp: the sources of piece `piece` of token t in rank order (rows past a rank's
+ * Whole warp: the sources of piece `piece` of token t in summation order (rows past a rank's
  * x are recorded once per token and skipped, as in combine.cu), then lane 0 arms `bar`
  * and starts one bulk load per source into `slot`.
  */
 __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
+                                                  const epx__cuda_combine_args_t &a,
                                                   const epx_combine_ring_t &g,
                                                   const char *const *x_base,
                                                   const int64_t *x_stride,
@@ -76,21 +79,20 @@ __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
                                second, x_rows[r1], 1);
         second = -1;
     }
-    const unsigned lanes_below = (1u << lane) - 1u;
-    const unsigned low = __ballot_sync(0xffffffffu, first >= 0);
-    const unsigned high = __ballot_sync(0xffffffffu, second >= 0);
+    int at0 = 0, at1 = 0;
+    epx_combine_places(a, s.num_topk, s.num_local_experts, s.world_size, t, first >= 0,
+                       second >= 0, lane, &at0, &at1);
     int32_t *sources = epx_sources(route);
     if (first >= 0) {
-        const int at = __popc(low & lanes_below);
-        sources[2 * at] = r0;
-        sources[2 * at + 1] = first;
+        sources[2 * at0] = r0;
+        sources[2 * at0 + 1] = first;
     }
     if (second >= 0) {
-        const int at = __popc(low) + __popc(high & lanes_below);
-        sources[2 * at] = r1;
-        sources[2 * at + 1] = second;
+        sources[2 * at1] = r1;
+        sources[2 * at1 + 1] = second;
     }
-    const int n = __popc(low) + __popc(high);
+    const int n = __popc(__ballot_sync(0xffffffffu, first >= 0)) +
+                  __popc(__ballot_sync(0xffffffffu, second >= 0));
     __syncwarp();
     if (lane == 0) {
         *epx_sources_count(route) = n;
@@ -159,7 +161,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
     for (int64_t i = 0; i < items && i < S; i++) {
         const int64_t t = first + (i / g.chunks) * stride;
         epx_bulk_load_route(a, R, t, lane, &next_first, &next_second);
-        epx_combine_issue(s, g, x_base, x_stride, x_rows, t, static_cast<int>(i % g.chunks),
+        epx_combine_issue(s, a, g, x_base, x_stride, x_rows, t, static_cast<int>(i % g.chunks),
                           next_first, next_second, routes + i * g.route_bytes,
                           slots + i * g.slot_bytes, &bar[i], lane);
     }
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         /* DeepEP's bias: the sum starts from bias_0 + bias_1, then adds the rows. */
         float acc[EPX_COMBINE_BULK_UNITS][8];
         epx_start_sums<EPX_COMBINE_BULK_UNITS>(acc, a, t, offset, 0, units, lane);
-        /* Sources in rank order, one add each: the reference's summation order. */
+        /* Sources in summation order, one add each: the reference's order. */
         for (int j = 0; j < n; j++) {
             const char *piece_of_j = slot + static_cast<int64_t>(j) * g.chunk_bytes;
 #pragma unroll
@@ -225,7 +227,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         const int64_t refill = i + S;
         if (refill < items) {
             const int64_t refill_token = first + (refill / g.chunks) * stride;
-            epx_combine_issue(s, g, x_base, x_stride, x_rows, refill_token,
+            epx_combine_issue(s, a, g, x_base, x_stride, x_rows, refill_token,
                               static_cast<int>(refill % g.chunks), next_first, next_second,
                               route, slots + slot_index * g.slot_bytes, &bar[slot_index], lane);
             if (refill + 1 < items)

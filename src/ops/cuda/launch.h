@@ -458,6 +458,10 @@ typedef struct {
     int bias_align[2];      /* alignment of the bias rows (16 = vector loads) */
     int kernels; /* EPX_CUDA_KERNELS_* (single node) */
     int num_sms; /* the SM budget (the bulk kernels choose their own block count) */
+    /* [T][num_topk] expert ids ordering each token's sum (combine_order.cuh), or NULL:
+     * rank order. Single node only. */
+    const int64_t *order_topk;
+    int64_t order_stride; /* elements */
 } epx__cuda_combine_args_t;
 
 cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,

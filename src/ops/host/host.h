@@ -72,6 +72,7 @@ typedef struct {
     uint8_t *rank_hit;  /* [R] dispatch scratch */
     float *accumulator; /* [2 * hidden] combine scratch: a node's partial, the total */
     float *weight_sums; /* [2 * num_topk] combine scratch: the same for the weights */
+    int *rank_scratch;  /* [2 * R] combine scratch: a token's ranks in order, last entries */
     struct epx__host_ll *ll; /* low-latency mode (host_ll.h); NULL when off */
 } epx__host_buffer_t;
 

@@ -88,6 +88,7 @@ static void epx__host_free(epx__host_buffer_t *host)
     free(host->rank_hit);
     free(host->accumulator);
     free(host->weight_sums);
+    free(host->rank_scratch);
     free(host);
 }
 
@@ -108,9 +109,10 @@ static epx_status_t epx__host_buffer_create(epx_buffer_t buffer)
         /* Combine sums node by node: a node's partial and the total, side by side. */
         host->accumulator = malloc(2 * (size_t)config->hidden * sizeof(float) + sizeof(float));
         host->weight_sums = malloc(2 * (size_t)config->num_topk * sizeof(float) + sizeof(float));
+        host->rank_scratch = malloc(2 * (size_t)group->world_size * sizeof(int));
     }
     if (host == NULL || host->route == NULL || host->rank_hit == NULL ||
-        host->accumulator == NULL || host->weight_sums == NULL) {
+        host->accumulator == NULL || host->weight_sums == NULL || host->rank_scratch == NULL) {
         epx__host_free(host);
         return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer: no host memory for rank %d's scratch",
                          group->rank);
