@@ -117,8 +117,10 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
     const epx__cuda_handle_state_t *state = handle->backend_state;
     if (state == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "combine: the handle has no CUDA routing");
-    /* The same answer on every rank (the group's shape), before anything is queued. */
-    if (cuda->xn != NULL && epx__tensor_given(&args->order_topk_idx))
+    /* The same answer on every rank (the group's shape), before anything is queued; by
+     * dtype, as a rank without tokens may pass the tensor with no memory. */
+    if (cuda->xn != NULL && (epx__tensor_given(&args->order_topk_idx) ||
+                             args->order_topk_idx.dtype != EPX_DTYPE_INVALID))
         return EPX_ERROR(EPX_ERR_UNSUPPORTED,
                          "combine: order_topk_idx (DeepEP V2's summation order) across nodes is "
                          "not supported by the CUDA backend yet (one node, or the CPU backend)");
