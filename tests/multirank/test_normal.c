@@ -460,6 +460,14 @@ static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_ha
     CHECK_OK(epx_combine(buffer, &args, NULL));
     mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
     nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    /* Args of the size before the field (epx 0.1's earlier layout): the field is not
+     * read, so rank order. */
+    args.size = offsetof(epx_combine_args_t, order_topk_idx);
+    CHECK_OK(epx_combine(buffer, &args, NULL));
+    mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
+    nt_check_bf16_rows(ctx, with_bias ? "combine, args without order_topk_idx, with biases"
+                                      : "combine, args without order_topk_idx",
+                       got, ranked, n, hidden);
     free(rows);
     free(bias);
     free(want);
