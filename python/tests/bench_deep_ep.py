@@ -1,7 +1,7 @@
 """Time dispatch and combine through epx.deep_ep against epx.Buffer on the same case.
 
     epx launch --mps -n 8 -- python3 python/tests/bench_deep_ep.py [--tokens 4096]
-        [--hidden 7168] [--experts 256] [--topk 8] [--sms 24] [--iters 20]
+        [--hidden 7168] [--experts 256] [--topk 8] [--sms 24] [--iters 20] [--profile]
 
 (the GPU machine: torch tensors on the CUDA backend; on the CPU backend it runs with
 torch CPU tensors, slowly). Each line is the mean time per call over --iters calls, on
@@ -15,6 +15,8 @@ rank 0, after a warm-up, with CUDA events on the current stream:
 and the same for cached dispatch and combine (x a separate tensor, as DeepEP's callers
 pass it). deep_ep against "copy=True" shows what the DeepEP surface costs on top of epx;
 "views" against "copy=True" is the copy DeepEP's own receivers make out of their ring.
+--profile adds a cProfile of the fresh V2 dispatch on rank 0 (where its host time goes:
+the exchanges and the host's waits for the device show in the calls that wait).
 """
 
 import argparse
@@ -44,6 +46,25 @@ def timed(fn, iters, cuda):
     return (time.perf_counter() - begin) * 1e6 / iters
 
 
+def profile_v2(group, args, fresh):
+    """The fresh V2 dispatch under cProfile on rank 0 (every rank runs the calls): the
+    top functions by cumulative time, as text (None elsewhere)."""
+    import cProfile
+    import io
+    import pstats
+    profiler = cProfile.Profile() if group.rank == 0 else None
+    if profiler is not None:
+        profiler.enable()
+    for _ in range(args.iters):
+        fresh()
+    if profiler is None:
+        return None
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    return "fresh V2 dispatch x %d, rank 0, cProfile:\n%s" % (args.iters, text.getvalue())
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
@@ -52,6 +73,10 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--sms", type=int, default=24)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile --iters fresh V2 dispatches on rank 0 (cProfile, "
+                             "by cumulative time: host work and host waits, each in the call "
+                             "that waits)")
     args = parser.parse_args()
 
     group = epx.Group.from_env()
@@ -114,6 +139,8 @@ def main():
     row("cached    V2 ElasticBuffer", lambda: elastic.dispatch(x, handle=v2_handle))
     row("combine   V2 ElasticBuffer", lambda: elastic.combine(v2_x, v2_handle))
     row("combine   V2 expanded", lambda: elastic.combine(v2_ex_x, v2_ex_handle))
+    profile = profile_v2(group, args, lambda: elastic.dispatch(x, **v2)) if args.profile \
+        else None
 
     if group.rank == 0:
         print("bench_deep_ep: %d ranks, %s backend, %d tokens x %d, %d experts, top-%d, %d SMs"
@@ -121,6 +148,8 @@ def main():
                  args.topk, args.sms))
         for name, micros in results:
             print("  %-34s %9.1f us" % (name, micros))
+        if profile is not None:
+            print(profile)
     plain.destroy()
     ours.destroy()
     elastic.destroy()
