@@ -10,16 +10,20 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 SCRIPT = """
 import atexit
+import sys
 import epx._exit as leaving
 atexit.register(lambda: print("leaving:", leaving.leaving(), flush=True))
+if {interactive}:
+    sys.ps1 = ">>> "  # as in an interactive session, whose hook reports and goes on
 if {fail}:
     raise ValueError("boom on this rank")
 """
 
 
-def run(fail):
+def run(fail, interactive=False):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(fail=fail)], env=env,
+    return subprocess.run([sys.executable, "-c",
+                           SCRIPT.format(fail=fail, interactive=interactive)], env=env,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -35,3 +39,10 @@ def test_normal_exit_is_not_leaving():
     done = run(False)
     assert done.returncode == 0, done.stderr
     assert "leaving: None" in done.stdout
+
+
+def test_interactive_session_is_not_leaving():
+    """An interactive session's hook reports an error and the session goes on: not noted."""
+    done = run(True, interactive=True)
+    assert "leaving: None" in done.stdout
+    assert "ValueError: boom on this rank" in done.stderr
