@@ -457,9 +457,19 @@ static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_ha
         args.bias[1] = epx_tensor_2d((uint16_t *)biases + n * hidden, EPX_DTYPE_BF16, n, hidden);
     }
     args.order_topk_idx = epx_tensor_2d(topk_idx, EPX_DTYPE_INT64, n, c.num_topk);
+    /* The weights are summed in the same order (each entry from one rank: exact). */
+    int k = c.num_topk;
+    void *weights = mr_mem_from_host(e->recv_topk_weights, (size_t)(e->num_recv * k) * 4 + 4);
+    void *out_weights = mr_mem_alloc((size_t)(n * k) * 4 + 4, 0xff);
+    float *got_weights = calloc((size_t)(n * k) + 1, 4);
+    CHECK(got_weights != NULL);
+    args.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, e->num_recv, k);
+    args.out_topk_weights = epx_tensor_2d(out_weights, EPX_DTYPE_FP32, n, k);
     CHECK_OK(epx_combine(buffer, &args, NULL));
     mr_mem_to_host(got, out_x, (size_t)(n * hidden) * 2);
     nt_check_bf16_rows(ctx, step, got, want, n, hidden);
+    mr_mem_to_host(got_weights, out_weights, (size_t)(n * k) * 4);
+    nt_check_combined_weights(ctx, step, got_weights);
     /* Args of the size before the field (epx 0.1's earlier layout): the field is not
      * read, so rank order. */
     args.size = offsetof(epx_combine_args_t, order_topk_idx);
@@ -468,6 +478,9 @@ static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_ha
     nt_check_bf16_rows(ctx, with_bias ? "combine, args without order_topk_idx, with biases"
                                       : "combine, args without order_topk_idx",
                        got, ranked, n, hidden);
+    free(got_weights);
+    mr_mem_free(weights);
+    mr_mem_free(out_weights);
     free(rows);
     free(bias);
     free(want);
