@@ -459,8 +459,8 @@ static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_ha
     args.order_topk_idx = epx_tensor_2d(topk_idx, EPX_DTYPE_INT64, n, c.num_topk);
     /* The weights are summed in the same order (each entry from one rank: exact). */
     int k = c.num_topk;
-    void *weights = mr_mem_from_host(e->recv_topk_weights, (size_t)(e->num_recv * k) * 4 + 4);
-    void *out_weights = mr_mem_alloc((size_t)(n * k) * 4 + 4, 0xff);
+    void *weights = mr_mem_from_host(e->recv_topk_weights, (size_t)(e->num_recv * k) * 4);
+    void *out_weights = mr_mem_alloc((size_t)(n * k) * 4, 0xff);
     float *got_weights = calloc((size_t)(n * k) + 1, 4);
     CHECK(got_weights != NULL);
     args.topk_weights = epx_tensor_2d(weights, EPX_DTYPE_FP32, e->num_recv, k);
