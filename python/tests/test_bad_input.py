@@ -6,13 +6,12 @@ unusable, by design.
 Run under `epx launch -n N -- python3 -m pytest -q python/tests/test_bad_input.py`.
 """
 
-import time
-
 import numpy as np
 import pytest
 
 import epx
 from epx import Status
+from drained import async_error
 from reference import Case
 
 
@@ -30,12 +29,7 @@ def expect_failure(group, call, bad_rank, status, *words, buffer=None):
             assert error.status == Status.ERR_REMOTE, str(error)
             assert "rank %d" % bad_rank in error.message, str(error)
             return error
-        import torch
-        torch.cuda.synchronize()
-        deadline = time.time() + 10
-        while buffer.get_async_error()[0] == Status.SUCCESS and time.time() < deadline:
-            time.sleep(0.01)
-        status_seen, message = buffer.get_async_error()
+        status_seen, message = async_error(buffer)
         assert status_seen == Status.ERR_REMOTE, (status_seen, message)
         assert "rank %d" % bad_rank in message, message
         return None

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import epx
+from drained import async_error
 from reference import BF16, Case
 
 
@@ -392,14 +393,7 @@ def test_collected_while_leaving_on_an_exception_aborts(group, tensors, monkeypa
     with pytest.raises(epx.EpxError) as caught:
         buffer.combine(recv_x, handle)
         if group.backend == "cuda":
-            import time
-
-            import torch
-            torch.cuda.synchronize()
-            deadline = time.time() + 10
-            while buffer.get_async_error()[0] == epx.Status.SUCCESS and time.time() < deadline:
-                time.sleep(0.01)
-            raise epx.EpxError(*buffer.get_async_error())
+            raise epx.EpxError(*async_error(buffer))
     assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
     assert "rank 0" in caught.value.message, caught.value.message
     if group.backend == "host":  # the CUDA backend's abort word carries no text

@@ -12,6 +12,7 @@ import pytest
 
 import epx
 import epx.deep_ep as deep_ep
+from drained import async_error
 from reference import BF16, Case
 from test_low_latency import LowLatencyCase
 
@@ -203,15 +204,7 @@ def test_collected_without_destroy_leaves_no_wait(group, tensors, capfd):
         buffer.combine(recv_x, handle)
         if group.backend == "cuda":
             # The kernels may meet the abort after the call returned: the async error.
-            import time
-
-            import torch
-            torch.cuda.synchronize()
-            deadline = time.time() + 10
-            while (buffer._normal.get_async_error()[0] == epx.Status.SUCCESS
-                   and time.time() < deadline):
-                time.sleep(0.01)
-            raise epx.EpxError(*buffer._normal.get_async_error())
+            raise epx.EpxError(*async_error(buffer._normal))
     assert caught.value.status == epx.Status.ERR_REMOTE, caught.value.message
     assert "rank 0" in caught.value.message, caught.value.message
     buffer.destroy()

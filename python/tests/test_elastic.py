@@ -5,7 +5,6 @@ virtual nodes: EPX_RANKS_PER_NODE). Every test is collective.
 """
 
 import inspect
-import time
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import pytest
 import epx
 import epx.deep_ep as deep_ep
 from epx import Status
+from drained import async_error
 from reference import BF16, Case
 
 MAX_TOKENS = 32
@@ -345,12 +345,7 @@ def refused_on_one_rank(group, call, *words, buffer=None):
             assert error.status == Status.ERR_REMOTE, error.message
             assert "rank 0" in error.message, error.message
             return
-        import torch
-        torch.cuda.synchronize()
-        deadline = time.time() + 10
-        while buffer._main.get_async_error()[0] == Status.SUCCESS and time.time() < deadline:
-            time.sleep(0.01)
-        status, message = buffer._main.get_async_error()
+        status, message = async_error(buffer._main)
         assert status == Status.ERR_REMOTE and "rank 0" in message, (status, message)
         return
     with pytest.raises(epx.EpxError) as caught:
