@@ -302,6 +302,21 @@ static void combine_registered_check(const nt_ctx_t *ctx, epx_buffer_t buffer,
     mr_mem_free(memory);
 }
 
+/*
+ * This rank's combine input under case `c`: for each received row, the row it sends back
+ * (moe_combine_row), [num_recv, hidden] bf16 and one spare element; the caller frees it.
+ */
+static uint16_t *combine_input_rows(const moe_case_t *c, const nt_ctx_t *ctx)
+{
+    const moe_expected_t *e = ctx->e;
+    uint16_t *rows = calloc((size_t)(e->num_recv * c->hidden) + 1, 2);
+    CHECK(rows != NULL);
+    for (int64_t i = 0; i < e->num_recv; i++)
+        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
+                        rows + i * c->hidden);
+    return rows;
+}
+
 /* x_at: where x goes (operation memory the caller owns), or NULL for a fresh tensor. */
 static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handle_t handle,
                              int with_weights, const char *step, void *x_at)
@@ -310,13 +325,10 @@ static void combine_check_at(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_handl
     const moe_expected_t *e = ctx->e;
     int64_t hidden = c->hidden, n = ctx->in->num_tokens;
     int k = c->num_topk;
-    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *rows = combine_input_rows(c, ctx);
     uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
     float *got_weights = calloc((size_t)(n * k) + 1, 4);
-    CHECK(rows != NULL && got != NULL && got_weights != NULL);
-    for (int64_t i = 0; i < e->num_recv; i++)
-        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
-                        rows + i * hidden);
+    CHECK(got != NULL && got_weights != NULL);
 
     void *x = x_at;
     if (x == NULL)
@@ -369,13 +381,10 @@ static void combine_bias_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
     const moe_case_t *c = ctx->c;
     const moe_expected_t *e = ctx->e;
     int64_t hidden = c->hidden, n = ctx->in->num_tokens;
-    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *rows = combine_input_rows(c, ctx);
     uint16_t *bias = calloc((size_t)(2 * n * hidden) + 1, 2);
     uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
-    CHECK(rows != NULL && bias != NULL && got != NULL);
-    for (int64_t i = 0; i < e->num_recv; i++)
-        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
-                        rows + i * hidden);
+    CHECK(bias != NULL && got != NULL);
     /* Cancelling biases tell the order apart: added first they leave exactly 0 for the
      * rows; added after the rows, the fp32 sum next to 2^24 would keep only even
      * integers of them. */
@@ -425,13 +434,10 @@ static void combine_order_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_ha
     c.cancelling_rows = 1;
     const moe_expected_t *e = ctx->e;
     int64_t hidden = c.hidden, n = ctx->in->num_tokens;
-    uint16_t *rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *rows = combine_input_rows(&c, ctx);
     uint16_t *bias = calloc((size_t)(2 * n * hidden) + 1, 2);
     uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
-    CHECK(rows != NULL && bias != NULL && got != NULL);
-    for (int64_t i = 0; i < e->num_recv; i++)
-        moe_combine_row(&c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
-                        rows + i * hidden);
+    CHECK(bias != NULL && got != NULL);
     for (int64_t i = 0; i < 2 * n * hidden; i++)
         bias[i] = moe_float_to_bf16((float)((i * 5 + i / hidden * 13) % 11 - 5) * 0.125f);
     const uint16_t *bias0 = with_bias ? bias : NULL, *bias1 = with_bias ? bias + n * hidden : NULL;
@@ -524,14 +530,11 @@ static void combine_view_check(const nt_ctx_t *ctx, epx_buffer_t buffer, epx_han
         nt_fail(ctx, step, "a second epx_get_combine_input gave %p [%lld], the first %p [%lld]",
                 again.data, (long long)again.shape[0], view.data, (long long)view.shape[0]);
 
-    uint16_t *x_rows = calloc((size_t)(e->num_recv * hidden) + 1, 2);
+    uint16_t *x_rows = combine_input_rows(c, ctx);
     float *weight_rows = calloc((size_t)(rows * k) + 1, 4);
     uint16_t *got = calloc((size_t)(n * hidden) + 1, 2);
     float *got_weights = calloc((size_t)(n * k) + 1, 4);
-    CHECK(x_rows != NULL && weight_rows != NULL && got != NULL && got_weights != NULL);
-    for (int64_t i = 0; i < e->num_recv; i++)
-        moe_combine_row(c, ctx->rank, e->recv_src_rank[i], e->recv_src_token[i],
-                        x_rows + i * hidden);
+    CHECK(weight_rows != NULL && got != NULL && got_weights != NULL);
     if (fill)
         mr_mem_to_device(view.data, x_rows, (size_t)(e->num_recv * hidden) * 2);
     /* Weights have x's rows; rows past the received ones are never read. */
