@@ -25,9 +25,12 @@ class Lifetime:
         try:
             self._release_buffers()
         finally:
-            if self._owns_group and self._epx_group is not None:
-                self._epx_group.destroy()
-            self._epx_group = None
+            self._drop_group()
+
+    def _drop_group(self):
+        if self._owns_group and self._epx_group is not None:
+            self._epx_group.destroy()
+        self._epx_group = None
 
     def _abandon(self, reason):
         """Collected without destroy() although made with explicitly_destroy (as DeepEP's:
@@ -45,9 +48,7 @@ class Lifetime:
                                  "only\n" % reason)
             except Exception:  # noqa: BLE001
                 pass
-        if self._owns_group and self._epx_group is not None:
-            self._epx_group.destroy()
-        self._epx_group = None
+        self._drop_group()
 
     def __del__(self):
         try:
