@@ -149,8 +149,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
             }
         }
         int at[2];
-        epx_combine_places(a, K, s.num_local_experts, R, t, rows[0] >= 0, rows[1] >= 0, lane,
-                           &at[0], &at[1]);
+        const int n = epx_combine_places(a, K, s.num_local_experts, R, t, rows[0] >= 0,
+                                         rows[1] >= 0, lane, &at[0], &at[1]);
         for (int h = 0; h < 2; h++) {
             const int r = lane + 32 * h;
             if (rows[h] >= 0) {
@@ -160,8 +160,6 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
                                            (int64_t)rows[h] * K;
             }
         }
-        const int n = __popc(__ballot_sync(0xffffffffu, rows[0] >= 0)) +
-                      __popc(__ballot_sync(0xffffffffu, rows[1] >= 0));
         __syncwarp();
 
         char *out = static_cast<char *>(a.out_x) + t * a.out_stride;

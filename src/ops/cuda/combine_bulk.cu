@@ -80,8 +80,8 @@ __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
         second = -1;
     }
     int at0 = 0, at1 = 0;
-    epx_combine_places(a, s.num_topk, s.num_local_experts, s.world_size, t, first >= 0,
-                       second >= 0, lane, &at0, &at1);
+    const int n = epx_combine_places(a, s.num_topk, s.num_local_experts, s.world_size, t,
+                                     first >= 0, second >= 0, lane, &at0, &at1);
     int32_t *sources = epx_sources(route);
     if (first >= 0) {
         sources[2 * at0] = r0;
@@ -91,8 +91,6 @@ __device__ __forceinline__ void epx_combine_issue(const epx__cuda_shape_t &s,
         sources[2 * at1] = r1;
         sources[2 * at1 + 1] = second;
     }
-    const int n = __popc(__ballot_sync(0xffffffffu, first >= 0)) +
-                  __popc(__ballot_sync(0xffffffffu, second >= 0));
     __syncwarp();
     if (lane == 0) {
         *epx_sources_count(route) = n;

@@ -16,8 +16,9 @@
 /*
  * Whole warp, token t: the places in the sum of the lane's ranks lane and lane + 32, of
  * which has0 / has1 say whether their row is summed. *at0 / *at1 are set for those.
+ * Returns how many rows are summed (the same on every lane).
  */
-__device__ __forceinline__ void epx_combine_places(const epx__cuda_combine_args_t &a,
+__device__ __forceinline__ int epx_combine_places(const epx__cuda_combine_args_t &a,
                                                    int num_topk, int num_local_experts,
                                                    int world_size, int64_t t, bool has0,
                                                    bool has1, int lane, int *at0, int *at1)
@@ -25,10 +26,11 @@ __device__ __forceinline__ void epx_combine_places(const epx__cuda_combine_args_
     const unsigned lanes_below = (1u << lane) - 1u;
     const unsigned low = __ballot_sync(0xffffffffu, has0);
     const unsigned high = __ballot_sync(0xffffffffu, has1);
+    const int n = __popc(low) + __popc(high);
     if (a.order_topk == NULL) {
         *at0 = __popc(low & lanes_below);
         *at1 = __popc(low) + __popc(high & lanes_below);
-        return;
+        return n;
     }
     /* Each rank's key: its last entry's place, or num_topk + rank when named nowhere. */
     const int r0 = lane, r1 = lane + 32;
@@ -63,6 +65,7 @@ __device__ __forceinline__ void epx_combine_places(const epx__cuda_combine_args_
     }
     *at0 = place0;
     *at1 = place1;
+    return n;
 }
 
 #endif /* EPX_OPS_CUDA_COMBINE_ORDER_CUH */
