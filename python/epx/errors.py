@@ -1,6 +1,7 @@
 """Errors: every failure of the C library becomes an EpxError carrying its status."""
 
 import enum
+import threading
 
 from . import _capi
 
@@ -35,15 +36,42 @@ class EpxError(RuntimeError):
         super().__init__("%s: %s" % (self.status_name, message))
 
 
+# The exception a bootstrap callback (Python called from C: group.py's _Callbacks) raised
+# on this thread, for the EpxError of the C call that failed because of it.
+_callback_failure = threading.local()
+
+
+def note_callback_failure(error):
+    """A bootstrap callback raised `error`; the C library only sees a nonzero return."""
+    _callback_failure.error = error
+
+
+def _take_callback_failure():
+    error = getattr(_callback_failure, "error", None)
+    _callback_failure.error = None
+    return error
+
+
 def check(status, what=""):
-    """Raise EpxError for a nonzero status of a C call, with epx_last_error()."""
+    """Raise EpxError for a nonzero status of a C call, with epx_last_error().
+
+    When the call failed because a bootstrap callback raised (EPX_ERR_BOOTSTRAP), the
+    message names that exception and the EpxError is chained to it; a KeyboardInterrupt
+    or SystemExit raised in the callback is raised again as it was.
+    """
     if status == 0:
         return
     message = _capi.api().last_error()
     if not message:
         message = (what + ": " if what else "") + _capi.api().epx_status_string(
             status).decode()
-    raise EpxError(status, message)
+    failure = _take_callback_failure()
+    if failure is None or int(status) != int(Status.ERR_BOOTSTRAP):
+        raise EpxError(status, message)
+    if not isinstance(failure, Exception):
+        raise failure
+    raise EpxError(status, "%s (the callback raised %s: %s)" % (
+        message, type(failure).__name__, failure)) from failure
 
 
 def peer_lost(status):

@@ -5,7 +5,7 @@ import os
 import weakref
 
 from . import _capi
-from .errors import EpxError, Status, check, invalid_argument
+from .errors import EpxError, Status, check, invalid_argument, note_callback_failure
 
 _BACKENDS = {"auto": _capi.BACKEND_AUTO, "host": _capi.BACKEND_HOST, "cpu": _capi.BACKEND_HOST,
              "cuda": _capi.BACKEND_CUDA, "gpu": _capi.BACKEND_CUDA}
@@ -35,14 +35,15 @@ class _Callbacks:
 
     allgather(data: bytes) -> bytes of world_size * len(data), rank i's part at i * len(data).
     barrier() -> None (optional). A Python exception becomes a nonzero return (the C library
-    then fails with EPX_ERR_BOOTSTRAP) and is chained to the EpxError raised to the caller.
+    then fails with EPX_ERR_BOOTSTRAP) and is named in, and chained to, the EpxError of
+    whichever call it failed (errors.check): the group's creation, a barrier, a buffer's
+    creation or destroy vote.
     """
 
     def __init__(self, allgather, barrier, world_size):
         self.allgather = allgather
         self.barrier = barrier
         self.world_size = world_size
-        self.error = None
         self.c_allgather = _capi.AllgatherFn(self._allgather)
         self.c_barrier = _capi.BarrierFn(self._barrier) if barrier is not None else \
             ctypes.cast(None, _capi.BarrierFn)
@@ -58,7 +59,7 @@ class _Callbacks:
             ctypes.memmove(recv, gathered, len(gathered))
             return 0
         except BaseException as error:  # nothing may unwind through C
-            self.error = error
+            note_callback_failure(error)
             return 1
 
     def _barrier(self, ctx):
@@ -66,7 +67,7 @@ class _Callbacks:
             self.barrier()
             return 0
         except BaseException as error:
-            self.error = error
+            note_callback_failure(error)
             return 1
 
 
@@ -135,14 +136,8 @@ class Group:
         config = cls._config(rank, world_size, backend, device, ranks_per_node, timeout_ms)
         config.callbacks = ctypes.pointer(callbacks.struct)
         pointer = _capi.epx_group_p()
-        status = _capi.api().epx_group_create(ctypes.byref(config), ctypes.byref(pointer))
-        if status != 0:
-            try:
-                check(status, "group_create")
-            except EpxError as error:
-                if callbacks.error is not None:
-                    raise error from callbacks.error
-                raise
+        check(_capi.api().epx_group_create(ctypes.byref(config), ctypes.byref(pointer)),
+              "group_create")
         return cls(pointer, callbacks, _process_group)
 
     @classmethod

@@ -121,12 +121,50 @@ def test_callback_exception_becomes_bootstrap_error():
         epx.Group.from_callbacks(0, 1, allgather, backend="host")
     assert info.value.status == Status.ERR_BOOTSTRAP
     assert "allgather callback" in info.value.message
+    assert "(the callback raised Broken: no network today)" in info.value.message
     assert isinstance(info.value.__cause__, Broken)
 
     with pytest.raises(epx.EpxError) as info:
         epx.Group.from_callbacks(0, 1, lambda data: data * 2, backend="host")
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "returned" in str(info.value.__cause__)
+
+
+def test_callback_exception_later_is_named():
+    """A callback that fails after the group is made (a peer's process gone, say) is named
+    in the error of the call it failed, not only in the group's creation."""
+    class PeerGone(Exception):
+        pass
+
+    state = {"fail": None}
+
+    def allgather(data):
+        if state["fail"] is not None:
+            raise state["fail"]
+        return data
+
+    with epx.Group.from_callbacks(0, 1, allgather, backend="host") as cgroup:
+        state["fail"] = PeerGone("Connection closed by peer [10.0.0.2]:4711")
+        with pytest.raises(epx.EpxError) as info:
+            cgroup.barrier()
+        assert info.value.status == Status.ERR_BOOTSTRAP
+        assert info.value.message.endswith(
+            "(the callback raised PeerGone: Connection closed by peer [10.0.0.2]:4711)")
+        assert info.value.__cause__ is state["fail"]
+        # Recorded for that call only: a later failure of another kind says nothing of it.
+        with pytest.raises(epx.EpxError) as info:
+            cgroup.allgather(b"")
+        assert info.value.status == Status.ERR_INVALID_ARG
+        assert "callback raised" not in info.value.message
+        # The bootstrap stays failed (the ranks may be out of step), naming the cause.
+        with pytest.raises(epx.EpxError, match="an earlier exchange failed"):
+            cgroup.allgather(b"x")
+    state["fail"] = None
+    with epx.Group.from_callbacks(0, 1, allgather, backend="host") as cgroup:
+        # Ctrl-C inside a callback stays a KeyboardInterrupt, not an EpxError.
+        state["fail"] = KeyboardInterrupt()
+        with pytest.raises(KeyboardInterrupt):
+            cgroup.allgather(b"x")
 
 
 def test_create_from_unique_id_of_one():
