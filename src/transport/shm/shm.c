@@ -199,6 +199,34 @@ struct epx__shm *epx__shm_alloc(const epx__transport_ranks_t *ranks, size_t byte
     return shm;
 }
 
+epx_status_t epx__shm_map_peers(struct epx__shm *shm, epx__bootstrap_t *bootstrap, int listen_fd,
+                                int own_fd, const char *const *names, const unsigned char *peers,
+                                int *fds, epx__shm_record_t *records)
+{
+    epx__shm_record_t mapped;
+    memset(&mapped, 0, sizeof(mapped));
+    epx_status_t status = epx__shm_exchange_fds(shm, listen_fd, own_fd, names, peers, fds);
+    if (status != EPX_SUCCESS)
+        epx__shm_record_fail(&mapped, status, epx_last_error());
+    close(listen_fd);
+    for (int r = 0; r < shm->world_size && mapped.status == EPX_SUCCESS; r++) {
+        if (peers != NULL ? !peers[r] : r == shm->rank)
+            continue;
+        status = epx__shm_map_peer(shm, r, fds[r]);
+        if (status != EPX_SUCCESS)
+            epx__shm_record_fail(&mapped, status, epx_last_error());
+    }
+    for (int r = 0; r < shm->world_size; r++)
+        if (fds[r] >= 0)
+            close(fds[r]);
+    /* Round 2: whether every rank mapped what it needed; all succeed or fail together. */
+    status = epx__bootstrap_allgather(bootstrap, &mapped, records, sizeof(mapped));
+    if (status != EPX_SUCCESS)
+        return status;
+    int failed = epx__shm_first_failure(records, shm->world_size, shm->rank);
+    return failed >= 0 ? epx__shm_setup_error(shm, records, failed) : EPX_SUCCESS;
+}
+
 epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_per_rank,
                              epx__shm_t **out)
 {
@@ -253,32 +281,11 @@ epx_status_t epx__shm_create(const epx__transport_ranks_t *group, size_t bytes_p
     epx__shm_probe_pids(shm, records);
 
     /* The descriptors, then every rank maps every peer. */
-    epx__shm_record_t mapped;
-    memset(&mapped, 0, sizeof(mapped));
-    status = epx__shm_exchange_fds(shm, listen_fd, shm->own_fd, names, NULL, fds);
-    if (status != EPX_SUCCESS)
-        epx__shm_record_fail(&mapped, status, epx_last_error());
-    close(listen_fd);
-    listen_fd = -1;
-    for (int r = 0; r < world && mapped.status == EPX_SUCCESS; r++) {
-        if (r == shm->rank)
-            continue;
-        status = epx__shm_map_peer(shm, r, fds[r]);
-        if (status != EPX_SUCCESS)
-            epx__shm_record_fail(&mapped, status, epx_last_error());
-    }
-    for (int r = 0; r < world; r++)
-        if (r != shm->rank && fds[r] >= 0)
-            close(fds[r]);
-    /* Round 2: whether everyone mapped everyone; all succeed or fail together. */
-    status = epx__bootstrap_allgather(group->bootstrap, &mapped, records, sizeof(mapped));
+    status = epx__shm_map_peers(shm, group->bootstrap, listen_fd, shm->own_fd, names, NULL, fds,
+                                records);
+    listen_fd = -1; /* closed by epx__shm_map_peers */
     if (status != EPX_SUCCESS)
         goto fail;
-    failed = epx__shm_first_failure(records, world, shm->rank);
-    if (failed >= 0) {
-        status = epx__shm_setup_error(shm, records, failed);
-        goto fail;
-    }
 
     EPX_DEBUG(EPX_SUBSYS_TRANSPORT, "shm: rank %d mapped %d segments of %zu bytes", shm->rank,
               world, shm->segment_bytes);

@@ -108,6 +108,17 @@ epx_status_t epx__shm_setup_error(const struct epx__shm *shm, const epx__shm_rec
                                   int failed);
 void epx__shm_probe_pids(struct epx__shm *shm, const epx__shm_record_t *records);
 
+/*
+ * The second half of set-up, shared by epx__shm_create and epx__shm_rejoin (shm.c):
+ * trade descriptors with the ranks in `peers` (NULL = every other rank; see
+ * epx__shm_exchange_fds), close `listen_fd`, map each peer's segment, close the received
+ * descriptors, then learn over `bootstrap` (into `records`, one per rank) whether every
+ * rank mapped what it needed: all succeed or fail together.
+ */
+epx_status_t epx__shm_map_peers(struct epx__shm *shm, epx__bootstrap_t *bootstrap, int listen_fd,
+                                int own_fd, const char *const *names, const unsigned char *peers,
+                                int *fds, epx__shm_record_t *records);
+
 /* 1 if the process has exited (gone, or a zombie not yet reaped); 0 if alive. */
 int epx__shm_pid_exited(int64_t pid);
 

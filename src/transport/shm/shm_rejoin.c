@@ -103,33 +103,12 @@ epx_status_t epx__shm_rejoin(const epx__transport_ranks_t *ranks, const unsigned
         goto fail;
     epx__shm_probe_pids(staged, records);
 
-    epx__shm_record_t mapped;
-    memset(&mapped, 0, sizeof(mapped));
     int own_fd = joining ? staged->own_fd : shm->own_fd;
-    status = epx__shm_exchange_fds(staged, listen_fd, own_fd, names, peers, fds);
-    if (status != EPX_SUCCESS)
-        epx__shm_record_fail(&mapped, status, epx_last_error());
-    close(listen_fd);
-    listen_fd = -1;
-    for (int r = 0; r < world && mapped.status == EPX_SUCCESS; r++) {
-        if (!peers[r])
-            continue;
-        status = epx__shm_map_peer(staged, r, fds[r]);
-        if (status != EPX_SUCCESS)
-            epx__shm_record_fail(&mapped, status, epx_last_error());
-    }
-    for (int r = 0; r < world; r++)
-        if (fds[r] >= 0)
-            close(fds[r]);
-    /* Round 2: whether every rank mapped what it needed; all succeed or fail together. */
-    status = epx__bootstrap_allgather(ranks->bootstrap, &mapped, records, sizeof(mapped));
+    status = epx__shm_map_peers(staged, ranks->bootstrap, listen_fd, own_fd, names, peers, fds,
+                                records);
+    listen_fd = -1; /* closed by epx__shm_map_peers */
     if (status != EPX_SUCCESS)
         goto fail;
-    int failed = epx__shm_first_failure(records, world, me);
-    if (failed >= 0) {
-        status = epx__shm_setup_error(staged, records, failed);
-        goto fail;
-    }
     EPX_DEBUG(EPX_SUBSYS_TRANSPORT, "shm rejoin: rank %d (%s) exchanged segments", me,
               joining ? "joining" : "survivor");
     free(records);
