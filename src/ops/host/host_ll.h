@@ -106,12 +106,19 @@ static inline uint64_t *epx__host_ll_flag(const epx__host_ll_t *ll, int owner, i
 }
 
 /*
- * Wait for flag `kind` of `slot` in this rank's segment from every rank in `peers` to
- * reach `target`; ranks that fail are masked and dropped from `peers`.
+ * Wait for flag `kind` of `slot` in this rank's segment from every rank in s->peers to
+ * reach `target`. Peers masked since the step began are dropped from s->peers first;
+ * ranks that fail the wait are masked, dropped and noted in s->failed.
  */
 epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                               uint8_t *peers, uint64_t target, const char *stage,
-                               epx__host_ll_slot_t *s);
+                               uint64_t target, const char *stage, epx__host_ll_slot_t *s);
+
+/*
+ * A receive's last step: hand `slot` back (flag `kind` = `seq`) to every rank the step
+ * exchanged with, those whose wait failed included.
+ */
+void epx__host_ll_release(epx__host_ll_t *ll, const epx__host_ll_slot_t *s, int rank, int world,
+                          int kind, int slot, uint64_t seq);
 
 /*
  * One token row to fp8 e4m3 with a scale per 128 channels (include/epx.h): `row`

@@ -138,10 +138,11 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
 }
 
 epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                               uint8_t *peers, uint64_t target, const char *stage,
-                               epx__host_ll_slot_t *s)
+                               uint64_t target, const char *stage, epx__host_ll_slot_t *s)
 {
+    uint8_t *peers = s->peers;
     for (int r = 0; r < world; r++) {
+        peers[r] = peers[r] && !ll->mask[r];
         ll->wait_flags[r] = peers[r] ? epx__host_ll_flag(ll, rank, kind, slot, r) : NULL;
         s->failed[r] = 0;
     }
@@ -155,6 +156,14 @@ epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind
         EPX_WARN(EPX_SUBSYS_OPS, "low-latency: rank %d masked after a failed wait (%s)", r, stage);
     }
     return status;
+}
+
+void epx__host_ll_release(epx__host_ll_t *ll, const epx__host_ll_slot_t *s, int rank, int world,
+                          int kind, int slot, uint64_t seq)
+{
+    for (int r = 0; r < world; r++)
+        if (s->peers[r] || s->failed[r])
+            epx__shm_flag_store(epx__host_ll_flag(ll, r, kind, slot, rank), seq);
 }
 
 epx_status_t epx__host_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base)

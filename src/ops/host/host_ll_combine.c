@@ -35,7 +35,7 @@ epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_co
         s->peers[r] = !ll->mask[r];
 
     epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE_DONE, slot, s->peers, seq - 1,
+        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE_DONE, slot, seq - 1,
                           "ll_combine (waiting for home ranks to release the slot)", s);
 
     const char *base = epx__host_ll_slot(ll, me, slot);
@@ -71,10 +71,8 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts, k = buffer->config.num_topk;
     int64_t hidden = buffer->config.hidden;
-    for (int r = 0; r < world; r++)
-        s->peers[r] = s->peers[r] && !ll->mask[r];
     epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE, slot, s->peers, s->combine_seq,
+        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE, slot, s->combine_seq,
                           "ll_combine (waiting for expert outputs)", s);
 
     const uint16_t *stage = (const uint16_t *)(epx__host_ll_slot(ll, me, slot) + l->combine_stage);
@@ -108,10 +106,7 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
         for (int64_t h = 0; h < hidden; h++)
             out[h] = epx__float_to_bf16(acc[h]);
     }
-    for (int r = 0; r < world; r++)
-        if (s->peers[r] || s->failed[r])
-            epx__shm_flag_store(epx__host_ll_flag(ll, r, EPX__LL_FLAG_COMBINE_DONE, slot, me),
-                                s->combine_seq);
+    epx__host_ll_release(ll, s, me, world, EPX__LL_FLAG_COMBINE_DONE, slot, s->combine_seq);
     if (result != NULL)
         result->num_masked_entries = masked;
     return peer_status;

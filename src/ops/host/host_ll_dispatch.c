@@ -61,7 +61,7 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
 
     /* The receivers must be done with this slot's previous dispatch. */
     epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH_DONE, slot, s->peers, seq - 1,
+        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH_DONE, slot, seq - 1,
                           "ll_dispatch (waiting for receivers to release the slot)", s);
 
     memset(ll->send_counts, 0, (size_t)buffer->config.num_experts * sizeof(int32_t));
@@ -122,10 +122,8 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts;
     int64_t hidden = buffer->config.hidden, m = l->max_tokens;
-    for (int r = 0; r < world; r++)
-        s->peers[r] = s->peers[r] && !ll->mask[r];
     epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH, slot, s->peers, s->dispatch_seq,
+        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH, slot, s->dispatch_seq,
                           "ll_dispatch (waiting for tokens)", s);
 
     char *base = epx__host_ll_slot(ll, me, slot);
@@ -174,9 +172,6 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
             s->recv_stats[local] += (int32_t)pos;
     }
     /* This rank is done with the staging: the sources may refill the slot. */
-    for (int r = 0; r < world; r++)
-        if (s->peers[r] || s->failed[r])
-            epx__shm_flag_store(epx__host_ll_flag(ll, r, EPX__LL_FLAG_DISPATCH_DONE, slot, me),
-                                s->dispatch_seq);
+    epx__host_ll_release(ll, s, me, world, EPX__LL_FLAG_DISPATCH_DONE, slot, s->dispatch_seq);
     return peer_status;
 }
