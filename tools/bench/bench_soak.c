@@ -160,6 +160,35 @@ int64_t epx__soak_below(uint64_t *state, int64_t bound)
     return bound > 0 ? (int64_t)(epx__soak_random(state) % (uint64_t)bound) : 0;
 }
 
+void epx__soak_draw_routing(uint64_t *state, int world, const double *drops, int count,
+                            moe_case_t *c)
+{
+    c->seed = epx__soak_random(state);
+    static const moe_routing_t routings[] = {MOE_ROUTING_RANDOM, MOE_ROUTING_RANDOM,
+                                             MOE_ROUTING_LOCAL_FIRST, MOE_ROUTING_ONE_EXPERT,
+                                             MOE_ROUTING_REPEAT};
+    c->routing = routings[epx__soak_below(state, 5)];
+    if (c->routing == MOE_ROUTING_REPEAT && c->num_topk < 2)
+        c->routing = MOE_ROUTING_RANDOM;
+    c->drop_fraction = drops[epx__soak_below(state, count)];
+    c->empty_rank = epx__soak_below(state, 8) == 0 ? (int)epx__soak_below(state, world) : -1;
+}
+
+epx_status_t epx__soak_copy_inputs(epx__soak_t *soak, const moe_case_t *c, const moe_inputs_t *in,
+                                   size_t x_bytes, size_t scale_bytes)
+{
+    size_t entries = (size_t)(in->num_tokens * c->num_topk);
+    epx_status_t status = epx__bench_copy_in(soak->device, soak->x, in->x, x_bytes);
+    if (status == EPX_SUCCESS && scale_bytes > 0)
+        status = epx__bench_copy_in(soak->device, soak->x_scales, in->x_scales, scale_bytes);
+    if (status == EPX_SUCCESS)
+        status = epx__bench_copy_in(soak->device, soak->topk_idx, in->topk_idx, entries * 8);
+    if (status == EPX_SUCCESS)
+        status = epx__bench_copy_in(soak->device, soak->topk_weights, in->topk_weights,
+                                    entries * 4);
+    return status;
+}
+
 void epx__soak_mark(epx__soak_t *soak, int index)
 {
     epx__bench_mark(soak->device, index);

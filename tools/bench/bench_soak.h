@@ -15,6 +15,7 @@
 
 #include "bench_memory.h"
 #include "epx.h"
+#include "moe_case.h"
 
 typedef enum {
     EPX__SOAK_INJECT_NONE = 0,
@@ -124,6 +125,21 @@ void epx__soak_ll_round(epx__soak_t *soak, uint64_t seed, int check, epx__soak_r
 uint64_t epx__soak_random(uint64_t *state);
 /* Uniform in 0..bound-1. */
 int64_t epx__soak_below(uint64_t *state, int64_t bound);
+
+/*
+ * The draws that end a round's shape in both modes, in this order: the case's seed, its
+ * routing (a repeated expert only with top-k >= 2), a drop fraction from drops[0..count-1]
+ * and, one round in eight, a rank that passes no tokens.
+ */
+void epx__soak_draw_routing(uint64_t *state, int world, const double *drops, int count,
+                            moe_case_t *c);
+
+/*
+ * A round's inputs into the soak's backend memory: `x_bytes` of x, `scale_bytes` of
+ * x_scales (none when 0), then topk_idx and topk_weights of `in` (c's tokens and top-k).
+ */
+epx_status_t epx__soak_copy_inputs(epx__soak_t *soak, const moe_case_t *c, const moe_inputs_t *in,
+                                   size_t x_bytes, size_t scale_bytes);
 
 /* Mark two device/host timestamps around an op; the op's duration in us. */
 void epx__soak_mark(epx__soak_t *soak, int index);

@@ -47,16 +47,8 @@ static void draw_shape(ll_round_t *r, uint64_t seed)
     c->num_topk = soak->topk;
     c->dtype = EPX_DTYPE_BF16;
     c->expert_alignment = 1;
-    c->seed = epx__soak_random(&state);
-    static const moe_routing_t routings[] = {MOE_ROUTING_RANDOM, MOE_ROUTING_RANDOM,
-                                             MOE_ROUTING_LOCAL_FIRST, MOE_ROUTING_ONE_EXPERT,
-                                             MOE_ROUTING_REPEAT};
-    c->routing = routings[epx__soak_below(&state, 5)];
-    if (c->routing == MOE_ROUTING_REPEAT && c->num_topk < 2)
-        c->routing = MOE_ROUTING_RANDOM;
     static const double drops[] = {0.0, 0.0, 0.2, 0.5};
-    c->drop_fraction = drops[epx__soak_below(&state, 4)];
-    c->empty_rank = epx__soak_below(&state, 8) == 0 ? (int)epx__soak_below(&state, soak->world) : -1;
+    epx__soak_draw_routing(&state, soak->world, drops, 4, c);
     /* Casts the buffer takes: fp8 only when its rows are sized for fp8. */
     int fp8_ok = soak->hidden % 128 == 0;
     int kinds = soak->ll_dtype == EPX_DTYPE_FP8_E4M3 ? 3 : fp8_ok ? 4 : 1;
@@ -265,12 +257,7 @@ void epx__soak_ll_round(epx__soak_t *soak, uint64_t seed, int check, epx__soak_r
         r.mask[i] = (uint8_t)(mask32[i] != 0);
     int64_t n = r.in.num_tokens;
     if (status == EPX_SUCCESS)
-        status = epx__bench_copy_in(soak->device, soak->x, r.in.x, (size_t)(n * hidden) * 2);
-    if (status == EPX_SUCCESS)
-        status = epx__bench_copy_in(soak->device, soak->topk_idx, r.in.topk_idx, (size_t)(n * k) * 8);
-    if (status == EPX_SUCCESS)
-        status = epx__bench_copy_in(soak->device, soak->topk_weights, r.in.topk_weights,
-                                    (size_t)(n * k) * 4);
+        status = epx__soak_copy_inputs(soak, &r.c, &r.in, (size_t)(n * hidden) * 2, 0);
     if (!sort_status(out, soak->rank, status, 0, "copying the inputs"))
         goto done;
 

@@ -45,16 +45,8 @@ static void draw_shape(normal_round_t *r, uint64_t seed)
     c->dtype = r->fp8 ? EPX_DTYPE_FP8_E4M3 : EPX_DTYPE_BF16;
     static const int alignments[] = {1, 1, 4, 32};
     c->expert_alignment = alignments[epx__soak_below(&state, 4)];
-    c->seed = epx__soak_random(&state);
-    static const moe_routing_t routings[] = {MOE_ROUTING_RANDOM, MOE_ROUTING_RANDOM,
-                                             MOE_ROUTING_LOCAL_FIRST, MOE_ROUTING_ONE_EXPERT,
-                                             MOE_ROUTING_REPEAT};
-    c->routing = routings[epx__soak_below(&state, 5)];
-    if (c->routing == MOE_ROUTING_REPEAT && c->num_topk < 2)
-        c->routing = MOE_ROUTING_RANDOM;
     static const double drops[] = {0.0, 0.0, 0.1, 0.5, 1.0};
-    c->drop_fraction = drops[epx__soak_below(&state, 5)];
-    c->empty_rank = epx__soak_below(&state, 8) == 0 ? (int)epx__soak_below(&state, soak->world) : -1;
+    epx__soak_draw_routing(&state, soak->world, drops, 5, c);
     r->scale_cols = soak->hidden / 128;
     snprintf(r->label, sizeof(r->label), "soak rank %d normal %s", soak->rank,
              r->fp8 ? "fp8" : "bf16");
@@ -162,15 +154,8 @@ void epx__soak_normal_round(epx__soak_t *soak, uint64_t seed, int check, epx__so
     int64_t n = r.in.num_tokens, hidden = r.c.hidden, k = r.c.num_topk;
     size_t x_bytes = (size_t)(n * hidden) * epx_dtype_size(r.c.dtype);
     epx__bench_device_t *device = soak->device;
-    epx_status_t status = epx__bench_copy_in(device, soak->x, r.in.x, x_bytes);
-    if (status == EPX_SUCCESS && r.fp8)
-        status = epx__bench_copy_in(device, soak->x_scales, r.in.x_scales,
-                                    (size_t)(n * r.scale_cols) * 4);
-    if (status == EPX_SUCCESS)
-        status = epx__bench_copy_in(device, soak->topk_idx, r.in.topk_idx, (size_t)(n * k) * 8);
-    if (status == EPX_SUCCESS)
-        status = epx__bench_copy_in(device, soak->topk_weights, r.in.topk_weights,
-                                    (size_t)(n * k) * 4);
+    epx_status_t status = epx__soak_copy_inputs(soak, &r.c, &r.in, x_bytes,
+                                                r.fp8 ? (size_t)(n * r.scale_cols) * 4 : 0);
     if (status != EPX_SUCCESS) {
         fail(out, soak->rank, "copying the inputs", status);
         moe_inputs_free(&r.in);
