@@ -75,13 +75,6 @@ static double floor_us(const epx__bench_ll_context_t *ll, const epx__bench_ll_ro
     return epx__bench_copy_time_us(row->floor_bytes, ll->context->floor_bw_gbps);
 }
 
-static double gbps(const epx__bench_ll_row_t *row)
-{
-    if (row->bytes_per_rank <= 0 || !(row->rank0.median_us > 0))
-        return NAN;
-    return (double)row->bytes_per_rank / (row->rank0.median_us * 1e3);
-}
-
 void epx__bench_ll_print_header(FILE *out, const epx__bench_ll_context_t *ll)
 {
     const epx__bench_context_t *c = ll->context;
@@ -136,7 +129,8 @@ static void print_table_row(FILE *out, const epx__bench_ll_context_t *ll,
     epx__bench_print_number(out, 8, 2, row->bytes_per_rank > 0 ? row->bytes_per_rank / 1e6 : NAN,
                             "-");
     fputc(' ', out);
-    epx__bench_print_number(out, 9, 2, gbps(row), "-");
+    epx__bench_print_number(out, 9, 2, epx__bench_gbps(row->bytes_per_rank, row->rank0.median_us),
+                            "-");
     fputc(' ', out);
     epx__bench_print_number(out, 9, 2, floor, "-");
     fputc(' ', out);
@@ -174,7 +168,6 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
 {
     const epx__bench_context_t *c = ll->context;
     int fp8 = row->dtype == EPX_DTYPE_FP8_E4M3;
-    double floor = floor_us(ll, row);
     fprintf(out, "{\"mode\":\"ll\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
                  "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"seed\":%llu,"
                  "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"round_scale\":%d,"
@@ -196,16 +189,8 @@ static void print_json_row(FILE *out, const epx__bench_ll_context_t *ll,
                         STAT_P99);
     print_json_per_rank(out, "per_rank_mean_us", row->per_rank, c->ranks,
                         STAT_MEAN);
-    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld,\"floor_bytes\":%lld",
-            (long long)row->bytes_per_rank, (long long)row->total_bytes,
-            (long long)row->floor_bytes);
-    epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
-    epx__bench_print_json_number(out, "floor_bw_gbps",
-                                 c->floor_bw_gbps > 0 ? c->floor_bw_gbps : NAN);
-    fprintf(out, ",\"floor_source\":\"%s\"", c->floor_source);
-    epx__bench_print_json_number(out, "floor_us", floor);
-    epx__bench_print_json_number(out, "floor_over_time",
-                                 epx__bench_floor_over_time(floor, row->slowest.median_us));
+    epx__bench_print_json_traffic(out, c, row->bytes_per_rank, row->total_bytes, row->floor_bytes,
+                                  row->rank0.median_us, row->slowest.median_us);
     fprintf(out, ",\"buffer_bytes_per_rank\":%lld,\"ll_buffer_bytes_per_rank\":%lld,"
                  "\"ll_dtype\":\"%s\"",
             (long long)ll->buffer_bytes, (long long)ll->ll_buffer_bytes,

@@ -102,11 +102,11 @@ double epx__bench_floor_over_time(double floor_us, double time_us)
     return floor_us / time_us;
 }
 
-static double gbps(const epx__bench_row_t *row)
+double epx__bench_gbps(int64_t bytes_per_rank, double median_us)
 {
-    if (row->bytes_per_rank <= 0 || !(row->median_us > 0))
+    if (bytes_per_rank <= 0 || !(median_us > 0))
         return NAN;
-    return (double)row->bytes_per_rank / (row->median_us * 1e3);
+    return (double)bytes_per_rank / (median_us * 1e3);
 }
 
 const char *epx__bench_check_text(int check)
@@ -211,7 +211,7 @@ static void print_table_row(FILE *out, const epx__bench_context_t *context,
     fputc(' ', out);
     epx__bench_print_number(out, 11, 1, row->slowest_us, "-");
     fputc(' ', out);
-    epx__bench_print_number(out, 10, 2, gbps(row), "-");
+    epx__bench_print_number(out, 10, 2, epx__bench_gbps(row->bytes_per_rank, row->median_us), "-");
     fputc(' ', out);
     epx__bench_print_number(out, 11, 1, floor_us, "-");
     fputc(' ', out);
@@ -227,11 +227,26 @@ void epx__bench_print_json_number(FILE *out, const char *key, double value)
         fprintf(out, ",\"%s\":null", key);
 }
 
+void epx__bench_print_json_traffic(FILE *out, const epx__bench_context_t *context,
+                                   int64_t bytes_per_rank, int64_t total_bytes,
+                                   int64_t floor_bytes, double median_us, double slowest_us)
+{
+    double floor_us = epx__bench_copy_time_us(floor_bytes, context->floor_bw_gbps);
+    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld,\"floor_bytes\":%lld",
+            (long long)bytes_per_rank, (long long)total_bytes, (long long)floor_bytes);
+    epx__bench_print_json_number(out, "gbps_per_rank", epx__bench_gbps(bytes_per_rank, median_us));
+    epx__bench_print_json_number(out, "floor_bw_gbps",
+                                 context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
+    fprintf(out, ",\"floor_source\":\"%s\"", context->floor_source);
+    epx__bench_print_json_number(out, "floor_us", floor_us);
+    epx__bench_print_json_number(out, "floor_over_time",
+                                 epx__bench_floor_over_time(floor_us, slowest_us));
+}
+
 /* Strings printed here are our own fixed words (no quotes or backslashes to escape). */
 static void print_json_row(FILE *out, const epx__bench_context_t *context,
                            const epx__bench_row_t *row)
 {
-    double floor_us = epx__bench_floor_us(context, row);
     fprintf(out, "{\"mode\":\"normal\",\"backend\":\"%s\",\"ranks\":%d,\"tokens\":%lld,"
                  "\"hidden\":%lld,\"experts\":%d,\"topk\":%d,\"alignment\":%d,\"seed\":%llu,"
                  "\"warmup\":%d,\"iters\":%d,\"dtype\":\"%s\",\"op\":\"%s\"",
@@ -244,16 +259,8 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
     epx__bench_print_json_number(out, "median_us", row->median_us);
     epx__bench_print_json_number(out, "p99_us", row->p99_us);
     epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
-    fprintf(out, ",\"bytes_per_rank\":%lld,\"total_bytes\":%lld,\"floor_bytes\":%lld",
-            (long long)row->bytes_per_rank, (long long)row->total_bytes,
-            (long long)row->floor_bytes);
-    epx__bench_print_json_number(out, "gbps_per_rank", gbps(row));
-    epx__bench_print_json_number(out, "floor_bw_gbps",
-                                 context->floor_bw_gbps > 0 ? context->floor_bw_gbps : NAN);
-    fprintf(out, ",\"floor_source\":\"%s\"", context->floor_source);
-    epx__bench_print_json_number(out, "floor_us", floor_us);
-    epx__bench_print_json_number(out, "floor_over_time",
-                                 epx__bench_floor_over_time(floor_us, row->slowest_us));
+    epx__bench_print_json_traffic(out, context, row->bytes_per_rank, row->total_bytes,
+                                  row->floor_bytes, row->median_us, row->slowest_us);
     epx__bench_print_json_check_end(out, row->check);
 }
 

@@ -97,6 +97,8 @@ int64_t epx__bench_combine_floor_bytes(int64_t tokens, int64_t combine_token, in
 double epx__bench_floor_us(const epx__bench_context_t *context, const epx__bench_row_t *row);
 /* floor_us / time_us: 1.0 = at the floor; NaN when either is unknown. */
 double epx__bench_floor_over_time(double floor_us, double time_us);
+/* The bottleneck bandwidth in GB/s: rank 0's bytes over its median; NaN without either. */
+double epx__bench_gbps(int64_t bytes_per_rank, double median_us);
 
 /* Shared by both modes' reports: "%*.*f" of a finite number, else `missing` at that
  * width; ",\"key\":value" (null when not finite); bytes as "1.23 GiB" and the like. */
@@ -118,5 +120,10 @@ void epx__bench_print_floor_header(FILE *out, const epx__bench_context_t *contex
                                    const char *what);
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,
                           const epx__bench_row_t *row, int json);
+/* The JSON fields of a row's traffic, the same in both modes: its bytes, GB/s per rank
+ * (rank 0's median), the floor and floor/time (the slowest rank's median). */
+void epx__bench_print_json_traffic(FILE *out, const epx__bench_context_t *context,
+                                   int64_t bytes_per_rank, int64_t total_bytes,
+                                   int64_t floor_bytes, double median_us, double slowest_us);
 
 #endif /* EPX_TOOLS_BENCH_REPORT_H */
