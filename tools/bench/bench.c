@@ -107,6 +107,17 @@ void epx__bench_must(int rank, epx_status_t status, const char *what)
     exit(1);
 }
 
+epx_buffer_config_t epx__bench_buffer_config(const epx__bench_options_t *options)
+{
+    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
+    config.max_tokens_per_rank = options->tokens;
+    config.hidden = options->hidden;
+    config.num_experts = options->experts;
+    config.num_topk = options->topk;
+    config.num_sms = options->sms;
+    return config;
+}
+
 static int usage_error(const char *flag, const char *value)
 {
     fprintf(stderr, "epx bench: bad value for %s: '%s'\n\n%s", flag, value != NULL ? value : "",
@@ -327,12 +338,7 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
  */
 static int check_shape(const epx__bench_options_t *o, int world)
 {
-    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-    config.max_tokens_per_rank = o->tokens;
-    config.hidden = o->hidden;
-    config.num_experts = o->experts;
-    config.num_topk = o->topk;
-    config.num_sms = o->sms;
+    epx_buffer_config_t config = epx__bench_buffer_config(o);
     if (o->mode == EPX__BENCH_MODE_LL) {
         config.max_low_latency_tokens = o->tokens;
         config.low_latency_dtype = o->ll_dtype;

@@ -61,6 +61,10 @@ typedef struct {
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */
 void epx__bench_must(int rank, epx_status_t status, const char *what);
 
+/* A buffer config of the flags' shape (--tokens, --hidden, --experts, --topk, --sms);
+ * each mode sets its own fields on top. */
+epx_buffer_config_t epx__bench_buffer_config(const epx__bench_options_t *options);
+
 /*
  * Run one dispatch dtype collectively: run every op once (and check it against the
  * oracle with --check), then time `warmup` + `iters` iterations. Fills rows[op] (rank

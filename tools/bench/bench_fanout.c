@@ -279,12 +279,7 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
         return 2;
     }
 
-    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-    config.max_tokens_per_rank = options->tokens;
-    config.hidden = options->hidden;
-    config.num_experts = options->experts;
-    config.num_topk = options->topk;
-    config.num_sms = options->sms;
+    epx_buffer_config_t config = epx__bench_buffer_config(options);
     epx__bench_must(b.rank, epx_buffer_create(group, &config, &b.buffer), "epx_buffer_create");
 
     size_t row_bytes = (size_t)options->hidden * 2;

@@ -306,12 +306,7 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
 {
     epx_group_info_t info = EPX_GROUP_INFO_INIT;
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
-    epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
-    config.max_tokens_per_rank = options->tokens;
-    config.hidden = options->hidden;
-    config.num_experts = options->experts;
-    config.num_topk = options->topk;
-    config.num_sms = options->sms;
+    epx_buffer_config_t config = epx__bench_buffer_config(options);
     config.max_low_latency_tokens = options->tokens;
     /* fp8 rows when the run dispatches fp8 only (bench.c chose it unless --ll-dtype). */
     config.low_latency_dtype = options->ll_dtype;

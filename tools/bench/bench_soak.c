@@ -672,12 +672,7 @@ static void soak_init(soak_run_t *run, const epx__bench_options_t *options, epx_
     soak->topk = options->topk;
     soak->ll_dtype = options->ll_dtype;
 
-    *config = (epx_buffer_config_t)EPX_BUFFER_CONFIG_INIT;
-    config->max_tokens_per_rank = options->tokens;
-    config->hidden = options->hidden;
-    config->num_experts = options->experts;
-    config->num_topk = options->topk;
-    config->num_sms = options->sms;
+    *config = epx__bench_buffer_config(options);
     config->max_low_latency_tokens = soak->ll_tokens;
     config->low_latency_dtype = options->ll_dtype;
 
