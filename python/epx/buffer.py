@@ -30,6 +30,21 @@ def _token_dtype(what, value):
     return _DISPATCH_DTYPES[name]
 
 
+def _shape_config(max_tokens_per_rank, hidden, num_experts, num_topk, dispatch_dtype,
+                  max_low_latency_tokens, low_latency_dtype):
+    """A new epx_buffer_config_t of the MoE shape (both dtypes by name, as the constructor
+    takes them; max_low_latency_tokens None or 0 for none); other fields at defaults."""
+    config = _capi.new(_capi.BufferConfig)
+    config.max_tokens_per_rank = int(max_tokens_per_rank)
+    config.hidden = int(hidden)
+    config.num_experts = int(num_experts)
+    config.num_topk = int(num_topk)
+    config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
+    config.max_low_latency_tokens = int(max_low_latency_tokens or 0)
+    config.low_latency_dtype = _token_dtype("low_latency_dtype", low_latency_dtype)
+    return config
+
+
 _DEVICE_TYPES_OF = {"host": (_dlpack.CPU, _dlpack.CUDA_HOST),
                     "cuda": (_dlpack.CUDA, _dlpack.CUDA_MANAGED)}
 
@@ -231,15 +246,10 @@ class Buffer(LowLatencyMixin):
         self.explicitly_destroy = explicitly_destroy
         self.copy_outputs = bool(copy_outputs)
 
-        config = _capi.new(_capi.BufferConfig)
-        config.max_tokens_per_rank = int(max_tokens_per_rank)
-        config.hidden = int(hidden)
-        config.num_experts = int(num_experts)
-        config.num_topk = int(num_topk)
-        config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
+        config = _shape_config(max_tokens_per_rank, hidden, num_experts, num_topk,
+                               dispatch_dtype, num_max_dispatch_tokens_per_rank,
+                               low_latency_dtype)
         config.num_sms = int(Buffer.num_sms if num_sms is None else num_sms)
-        config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
-        config.low_latency_dtype = ll_dtype
         config.auto_register = 0 if auto_register is None else (1 if auto_register else -1)
         self._config = config
         self.low_latency_mode = bool(low_latency_mode)
@@ -356,14 +366,9 @@ class Buffer(LowLatencyMixin):
         """Bytes of communication memory per rank for this shape (nothing allocated),
         low-latency memory included when num_max_dispatch_tokens_per_rank > 0 (rows
         sized for low_latency_dtype, as in the constructor)."""
-        config = _capi.new(_capi.BufferConfig)
-        config.max_tokens_per_rank = int(max_tokens_per_rank)
-        config.hidden = int(hidden)
-        config.num_experts = int(num_experts)
-        config.num_topk = int(num_topk)
-        config.dispatch_dtype = _DISPATCH_DTYPES[str(dispatch_dtype).lower()]
-        config.max_low_latency_tokens = int(num_max_dispatch_tokens_per_rank or 0)
-        config.low_latency_dtype = _token_dtype("low_latency_dtype", low_latency_dtype)
+        config = _shape_config(max_tokens_per_rank, hidden, num_experts, num_topk,
+                               dispatch_dtype, num_max_dispatch_tokens_per_rank,
+                               low_latency_dtype)
         size = ctypes.c_size_t(0)
         check(_capi.api().epx_buffer_size(group.pointer, ctypes.byref(config),
                                           ctypes.byref(size)), "buffer_size")
