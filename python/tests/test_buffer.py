@@ -9,35 +9,15 @@ import numpy as np
 import pytest
 
 import epx
+from checks import assert_bf16_equal, assert_recv_x
 from drained import async_error
 from reference import BF16, Case
-
-
-def exact(backend):
-    # The host backend sums in rank order in fp32 (the model's order); the GPU backend may
-    # add in another order, so its bf16 results may differ in the last bit.
-    return backend == "host"
-
-
-def assert_bf16_equal(got, want, backend):
-    got32, want32 = got.astype(np.float32), want.astype(np.float32)
-    if exact(backend):
-        np.testing.assert_array_equal(got32, want32)
-    else:
-        np.testing.assert_allclose(got32, want32, rtol=1e-2, atol=1e-2)
 
 
 def check_dispatch(tensors, case, rank, out, expect_fp8=False):
     recv_x, recv_idx, recv_weights, counts, handle, event = out
     want = case.dispatch(rank)
-    if expect_fp8:
-        recv_x, recv_scales = recv_x
-        np.testing.assert_array_equal(tensors.get(recv_scales), want["recv_scales"])
-        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint8),
-                                      want["recv_x"].view(np.uint8))
-    else:
-        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint16),
-                                      want["recv_x"].view(np.uint16))
+    assert_recv_x(tensors, recv_x, want, expect_fp8)
     if recv_idx is not None:
         np.testing.assert_array_equal(tensors.get(recv_idx), want["recv_idx"])
     if recv_weights is not None:

@@ -12,6 +12,7 @@ import pytest
 
 import epx
 import epx.deep_ep as deep_ep
+from checks import assert_bf16_equal, assert_recv_x
 from drained import async_error
 from reference import BF16, Case
 from test_low_latency import LowLatencyCase
@@ -26,14 +27,6 @@ pytestmark = pytest.mark.usefixtures("numpy_or_torch_only")
 def make_buffer(group, **kwargs):
     kwargs.setdefault("num_nvl_bytes", NVL_BYTES)
     return deep_ep.Buffer(group, explicitly_destroy=True, **kwargs)
-
-
-def assert_bf16_equal(got, want, backend):
-    got32, want32 = got.astype(np.float32), want.astype(np.float32)
-    if backend == "host":
-        np.testing.assert_array_equal(got32, want32)
-    else:
-        np.testing.assert_allclose(got32, want32, rtol=1e-2, atol=1e-2)
 
 
 def spans_nodes(group):
@@ -78,14 +71,7 @@ def rank_prefix(case):
 
 def check_recv(tensors, case, rank, recv_x, recv_idx, recv_weights, counts, handle, fp8=False):
     want = case.dispatch(rank)
-    if fp8:
-        recv_x, recv_scales = recv_x
-        np.testing.assert_array_equal(tensors.get(recv_scales), want["recv_scales"])
-        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint8),
-                                      want["recv_x"].view(np.uint8))
-    else:
-        np.testing.assert_array_equal(tensors.get(recv_x).view(np.uint16),
-                                      want["recv_x"].view(np.uint16))
+    assert_recv_x(tensors, recv_x, want, fp8)
     if recv_idx is not None:
         np.testing.assert_array_equal(tensors.get(recv_idx), want["recv_idx"])
         np.testing.assert_array_equal(tensors.get(recv_weights), want["recv_weights"])
