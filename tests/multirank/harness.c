@@ -105,3 +105,14 @@ double mr_now_ms(void)
     clock_gettime(CLOCK_MONOTONIC, &now);
     return (double)now.tv_sec * 1e3 + (double)now.tv_nsec / 1e6;
 }
+
+void mr_set_rank_env(int rank, int world, const char *unique_id)
+{
+    char rank_text[16], world_text[16];
+    snprintf(rank_text, sizeof rank_text, "%d", rank);
+    snprintf(world_text, sizeof world_text, "%d", world);
+    setenv("EPX_RANK", rank_text, 1);
+    setenv("EPX_LOCAL_RANK", rank_text, 1);
+    setenv("EPX_WORLD_SIZE", world_text, 1);
+    setenv("EPX_UNIQUE_ID", unique_id, 1);
+}

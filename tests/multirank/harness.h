@@ -1,6 +1,6 @@
 /*
- * Shared pieces of the multi-rank test programs: command-line flags, the group, copying
- * result tensors back to the host, and bf16 comparison.
+ * Shared pieces of the multi-rank test programs: command-line flags, the group, a forked
+ * rank's environment, copying result tensors back to the host, and bf16 comparison.
  */
 #ifndef EPX_MULTIRANK_HARNESS_H
 #define EPX_MULTIRANK_HARNESS_H
@@ -37,5 +37,12 @@ int mr_message_names_rank(const char *message, int rank);
 
 /* Monotonic clock in milliseconds. */
 double mr_now_ms(void);
+
+/*
+ * In a forked child about to exec a rank: the environment `epx launch` gives rank `rank`
+ * of `world` on one machine (EPX_RANK, EPX_LOCAL_RANK, EPX_WORLD_SIZE), and the group's
+ * EPX_UNIQUE_ID.
+ */
+void mr_set_rank_env(int rank, int world, const char *unique_id);
 
 #endif /* EPX_MULTIRANK_HARNESS_H */

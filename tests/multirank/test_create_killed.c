@@ -223,19 +223,14 @@ static int run_moment(const moment_t *m, const char *backend)
         if (pids[r] < 0)
             TEST_FAIL("fork: %s", strerror(errno));
         if (pids[r] == 0) {
-            char text[5][32];
-            snprintf(text[0], sizeof text[0], "%d", r);
-            snprintf(text[1], sizeof text[1], "%d", NUM_RANKS);
-            snprintf(text[2], sizeof text[2], "%d", m->kill_at);
-            snprintf(text[3], sizeof text[3], "%d", m->kill_after);
-            snprintf(text[4], sizeof text[4], "%d", m->random_ms);
-            setenv("EPX_RANK", text[0], 1);
-            setenv("EPX_LOCAL_RANK", text[0], 1);
-            setenv("EPX_WORLD_SIZE", text[1], 1);
-            setenv("EPX_UNIQUE_ID", id_text, 1);
+            char text[3][32];
+            snprintf(text[0], sizeof text[0], "%d", m->kill_at);
+            snprintf(text[1], sizeof text[1], "%d", m->kill_after);
+            snprintf(text[2], sizeof text[2], "%d", m->random_ms);
+            mr_set_rank_env(r, NUM_RANKS, id_text);
             setenv("EPX_LOG_LEVEL", "error", 1);
-            char *child_argv[] = {"test_create_killed", "--child", "1", "--kill-at", text[2],
-                                  "--kill-after", text[3], "--kill-ms", text[4], "--backend",
+            char *child_argv[] = {"test_create_killed", "--child", "1", "--kill-at", text[0],
+                                  "--kill-after", text[1], "--kill-ms", text[2], "--backend",
                                   (char *)backend, NULL};
             execv("/proc/self/exe", child_argv);
             _exit(127);

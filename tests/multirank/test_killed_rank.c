@@ -262,17 +262,12 @@ static int run_variant(const char *variant, const char *backend, int per_node)
         if (pids[r] > 0)
             started[num_started++] = pids[r];
         if (pids[r] == 0) {
-            char rank_text[16], world_text[16], timeout_text[16], per_node_text[16];
-            snprintf(rank_text, sizeof rank_text, "%d", r);
-            snprintf(world_text, sizeof world_text, "%d", NUM_RANKS);
+            char timeout_text[16], per_node_text[16];
             snprintf(timeout_text, sizeof timeout_text, "%d", TIMEOUT_MS);
             snprintf(per_node_text, sizeof per_node_text, "%d", per_node);
-            setenv("EPX_RANK", rank_text, 1);
-            setenv("EPX_LOCAL_RANK", rank_text, 1); /* as epx launch: one machine */
+            mr_set_rank_env(r, NUM_RANKS, id_text);
             if (per_node > 0)
                 setenv("EPX_RANKS_PER_NODE", per_node_text, 1);
-            setenv("EPX_WORLD_SIZE", world_text, 1);
-            setenv("EPX_UNIQUE_ID", id_text, 1);
             setenv("EPX_TIMEOUT_MS", timeout_text, 1);
             char *child_argv[] = {"test_killed_rank", "--child", (char *)variant, "--backend",
                                   (char *)backend, "--ranks-per-node", per_node_text, NULL};

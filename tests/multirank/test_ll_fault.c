@@ -166,14 +166,9 @@ static int run_variant(const char *variant)
         if (pids[r] < 0)
             TEST_FAIL("fork: %s", strerror(errno));
         if (pids[r] == 0) {
-            char rank_text[16], world_text[16], timeout_text[16];
-            snprintf(rank_text, sizeof rank_text, "%d", r);
-            snprintf(world_text, sizeof world_text, "%d", NUM_RANKS);
+            char timeout_text[16];
             snprintf(timeout_text, sizeof timeout_text, "%d", TIMEOUT_MS);
-            setenv("EPX_RANK", rank_text, 1);
-            setenv("EPX_LOCAL_RANK", rank_text, 1);
-            setenv("EPX_WORLD_SIZE", world_text, 1);
-            setenv("EPX_UNIQUE_ID", id_text, 1);
+            mr_set_rank_env(r, NUM_RANKS, id_text);
             setenv("EPX_TIMEOUT_MS", timeout_text, 1);
             setenv("EPX_LOG_LEVEL", "error", 1);
             char *child_argv[] = {"test_ll_fault", "--child", (char *)variant, "--backend",

@@ -561,16 +561,11 @@ static pid_t spawn(const variant_t *v, const char *ids, const char *g1, int rank
         TEST_FAIL("fork: %s", strerror(errno));
     if (pid > 0)
         return pid;
-    char rank_text[16], world_text[16], timeout_text[16], lost_text[16], index_text[16];
-    snprintf(rank_text, sizeof rank_text, "%d", rank);
-    snprintf(world_text, sizeof world_text, "%d", NUM_RANKS);
+    char timeout_text[16], lost_text[16], index_text[16];
     snprintf(timeout_text, sizeof timeout_text, "%d", TIMEOUT_MS);
     snprintf(lost_text, sizeof lost_text, "%d", v->lost);
     snprintf(index_text, sizeof index_text, "%d", newcomer);
-    setenv("EPX_RANK", rank_text, 1);
-    setenv("EPX_LOCAL_RANK", rank_text, 1);
-    setenv("EPX_WORLD_SIZE", world_text, 1);
-    setenv("EPX_UNIQUE_ID", g1, 1);
+    mr_set_rank_env(rank, NUM_RANKS, g1);
     setenv("EPX_TIMEOUT_MS", timeout_text, 1);
     setenv("EPX_LOG_LEVEL", "error", 1);
     char *child_argv[] = {"test_ll_rejoin", "--child", (char *)v->name, "--lost", lost_text,
