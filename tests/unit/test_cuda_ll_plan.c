@@ -12,24 +12,13 @@
 #include "test_util.h"
 
 #ifdef EPX_WITH_CUDA
+#include "cuda_plan_group.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/ll.h"
 
 typedef struct {
     size_t offset, bytes;
 } region_t;
-
-static struct epx_group make_group(int rank, int world)
-{
-    struct epx_group g;
-    memset(&g, 0, sizeof(g));
-    g.rank = rank;
-    g.world_size = world;
-    g.ranks_per_node = world;
-    g.backend = EPX_BACKEND_CUDA;
-    g.timeout_ms = 1000;
-    return g;
-}
 
 static epx_buffer_config_t make_config(int64_t m, int64_t hidden, int experts, int topk)
 {
@@ -69,7 +58,7 @@ static void use_kernels(int which)
 static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int experts, int topk,
                        epx_dtype_t dtype)
 {
-    struct epx_group g = make_group(world - 1, world);
+    struct epx_group g = cuda_plan_group(world - 1, world, world);
     g.ranks_per_node = world / nodes;
     epx_buffer_config_t c = make_config(m, hidden, experts, topk);
     c.low_latency_dtype = dtype;
@@ -153,7 +142,7 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
  * buffer for it is 1.9 GB). */
 static void check_standard_case(void)
 {
-    struct epx_group g = make_group(0, 8);
+    struct epx_group g = cuda_plan_group(0, 8, 8);
     epx_buffer_config_t c = make_config(128, 7168, 256, 8);
     epx_ll_shape_t s;
     size_t sym = 0, local = 0;
@@ -170,7 +159,7 @@ static void check_refusals(void)
 {
     epx_ll_shape_t s;
     size_t sym = 0, local = 0;
-    struct epx_group g = make_group(0, 2);
+    struct epx_group g = cuda_plan_group(0, 2, 2);
     /* Low-latency off: nothing planned, nothing refused. */
     epx_buffer_config_t off = make_config(0, 100, 4, 2);
     CHECK_OK(epx__cuda_ll_plan(&g, &off, &s, &sym, &local));

@@ -10,21 +10,9 @@
 #include "test_util.h"
 
 #ifdef EPX_WITH_CUDA
+#include "cuda_plan_group.h"
 #include "ops/cuda/cuda_backend.h"
 #include "ops/cuda/ll.h"
-
-static struct epx_group make_group(int rank, int world, int per_node)
-{
-    struct epx_group g;
-    memset(&g, 0, sizeof(g));
-    g.rank = rank;
-    g.world_size = world;
-    g.ranks_per_node = per_node;
-    g.backend = EPX_BACKEND_CUDA;
-    g.device = 0;
-    g.timeout_ms = 1000;
-    return g;
-}
 
 static epx_buffer_config_t make_config(int64_t ll_tokens)
 {
@@ -40,8 +28,8 @@ static epx_buffer_config_t make_config(int64_t ll_tokens)
 
 static void check_nodes(void)
 {
-    struct epx_group one = make_group(0, 4, 4), two = make_group(3, 4, 2);
-    struct epx_group eight = make_group(5, 16, 2);
+    struct epx_group one = cuda_plan_group(0, 4, 4), two = cuda_plan_group(3, 4, 2);
+    struct epx_group eight = cuda_plan_group(5, 16, 2);
     CHECK_EQ_INT(epx__cuda_num_nodes(&one), 1);
     CHECK_EQ_INT(epx__cuda_num_nodes(&two), 2);
     CHECK_EQ_INT(epx__cuda_num_nodes(&eight), 8);
@@ -60,7 +48,7 @@ static void check_plan(void)
 {
     epx_buffer_config_t c = make_config(0);
     c.hidden = 7168;
-    struct epx_group one = make_group(5, 8, 8), two = make_group(5, 8, 4);
+    struct epx_group one = cuda_plan_group(5, 8, 8), two = cuda_plan_group(5, 8, 4);
     epx__cuda_shape_t s1, s2;
     size_t slot1 = 0, slot2 = 0;
     CHECK_OK(epx__cuda_plan(&one, &c, &s1, &slot1));
@@ -125,7 +113,7 @@ static void check_ring_plan(void)
 {
     epx_buffer_config_t c = make_config(0);
     c.hidden = 7168;
-    struct epx_group two = make_group(5, 8, 4);
+    struct epx_group two = cuda_plan_group(5, 8, 4);
     epx__cuda_shape_t worst, ring;
     size_t slot_worst = 0, slot_ring = 0;
     unsetenv("EPX_XN_RING_TOKENS");
@@ -189,7 +177,7 @@ static void check_ring_plan(void)
     CHECK_EQ_INT(ring.xn_ring, 256);
     CHECK_EQ_INT(ring.xn_chunk, 16);
     /* One node: no internode regions, whatever the setting. */
-    struct epx_group one = make_group(5, 8, 8);
+    struct epx_group one = cuda_plan_group(5, 8, 8);
     CHECK_OK(epx__cuda_plan(&one, &c, &ring, &slot_ring));
     CHECK_EQ_INT(ring.num_nodes, 1);
     CHECK_EQ_INT(ring.xn_ring, 0);
@@ -200,7 +188,7 @@ static void check_ring_plan(void)
 
 static void check_sizes(void)
 {
-    struct epx_group one = make_group(1, 4, 4), two = make_group(1, 4, 2);
+    struct epx_group one = cuda_plan_group(1, 4, 4), two = cuda_plan_group(1, 4, 2);
     epx_buffer_config_t both = make_config(16), normal_only = make_config(0);
     epx__cuda_shape_t s1, s2;
     size_t slot = 0;

@@ -9,20 +9,8 @@
 #include "test_util.h"
 
 #ifdef EPX_WITH_CUDA
+#include "cuda_plan_group.h"
 #include "ops/cuda/cuda_backend.h"
-
-static struct epx_group make_group(int rank, int world, int per_node)
-{
-    struct epx_group g;
-    memset(&g, 0, sizeof(g));
-    g.rank = rank;
-    g.world_size = world;
-    g.ranks_per_node = per_node;
-    g.backend = EPX_BACKEND_CUDA;
-    g.device = 0;
-    g.timeout_ms = 1000;
-    return g;
-}
 
 static epx_buffer_config_t make_config(int64_t tokens, int64_t hidden, int experts, int topk)
 {
@@ -37,7 +25,7 @@ static epx_buffer_config_t make_config(int64_t tokens, int64_t hidden, int exper
 /* Every region starts aligned, after the previous one ends, inside the allocation. */
 static void check_plan(int world, int64_t tokens, int64_t hidden, int experts, int topk)
 {
-    struct epx_group g = make_group(world - 1, world, world);
+    struct epx_group g = cuda_plan_group(world - 1, world, world);
     epx_buffer_config_t c = make_config(tokens, hidden, experts, topk);
     epx__cuda_shape_t s;
     size_t slot = 0;
@@ -91,11 +79,11 @@ static void check_refusals(void)
     epx__cuda_shape_t s;
     size_t slot = 0;
     epx_buffer_config_t c = make_config(64, 256, 128, 4);
-    struct epx_group huge = make_group(0, EPX_CUDA_MAX_RANKS * 2, EPX_CUDA_MAX_RANKS * 2);
+    struct epx_group huge = cuda_plan_group(0, EPX_CUDA_MAX_RANKS * 2, EPX_CUDA_MAX_RANKS * 2);
     c.num_experts = EPX_CUDA_MAX_RANKS * 2;
     CHECK_STATUS(epx__cuda_plan(&huge, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
     CHECK_ERROR_MENTIONS("ranks");
-    struct epx_group ok = make_group(0, 2, 2);
+    struct epx_group ok = cuda_plan_group(0, 2, 2);
     c = make_config(64, 256, EPX_CUDA_MAX_EXPERTS + 2, 4);
     CHECK_STATUS(epx__cuda_plan(&ok, &c, &s, &slot), EPX_ERR_UNSUPPORTED);
     CHECK_ERROR_MENTIONS("experts");
