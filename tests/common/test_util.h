@@ -32,6 +32,15 @@
             TEST_FAIL("%s == %s: %lld != %lld", #a, #b, check_a_, check_b_);            \
     } while (0)
 
+/* Two C strings must be equal; prints the expression and both strings otherwise. */
+#define CHECK_STR(got, expected)                                                      \
+    do {                                                                              \
+        const char *check_got_ = (got), *check_expected_ = (expected);                \
+        if (strcmp(check_got_, check_expected_) != 0)                                 \
+            TEST_FAIL("%s: got \"%s\", expected \"%s\"", #got, check_got_,            \
+                      check_expected_);                                               \
+    } while (0)
+
 /* The call must return `expected`; prints both names and the last error otherwise. */
 #define CHECK_STATUS(call, expected)                                                    \
     do {                                                                                \

@@ -19,14 +19,6 @@
 #error "EPX_DOCTOR_DATA_DIR must name tests/data/doctor (set by tests/doctor.cmake)"
 #endif
 
-#define CHECK_STR(got, expected)                                                      \
-    do {                                                                              \
-        const char *check_got_ = (got), *check_expected_ = (expected);                \
-        if (strcmp(check_got_, check_expected_) != 0)                                 \
-            TEST_FAIL("%s: got \"%s\", expected \"%s\"", #got, check_got_,            \
-                      check_expected_);                                               \
-    } while (0)
-
 static char *read_sample(const char *name)
 {
     static char buffer[4][65536];

@@ -12,14 +12,6 @@
 #include "doctor_report.h"
 #include "test_util.h"
 
-#define CHECK_STR(got, expected)                                                      \
-    do {                                                                              \
-        const char *check_got_ = (got), *check_expected_ = (expected);                \
-        if (strcmp(check_got_, check_expected_) != 0)                                 \
-            TEST_FAIL("%s: got \"%s\", expected \"%s\"", #got, check_got_,            \
-                      check_expected_);                                               \
-    } while (0)
-
 static void test_status_names(void)
 {
     static const char *const names[] = {"pass", "warn", "fail", "not-present", "skip"};
