@@ -9,6 +9,7 @@
  *   - how internode normal mode lays out such a buffer (`epx bench`, `epx doctor`)
  *   - where the NVSHMEM plugin of low-latency CUDA buffers is (`epx doctor`)
  *   - the fan-out copy of normal-mode dispatch, alone (`epx bench --mode fanout`)
+ *   - the fan-in sum of normal-mode combine, alone (the same bench's fan-in rows)
  */
 #ifndef EPX_TOOL_H
 #define EPX_TOOL_H
@@ -161,6 +162,54 @@ typedef struct {
  * whose group spans nodes (EPX_ERR_UNSUPPORTED).
  */
 epx_status_t epx_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args, void *stream);
+
+/* ---------------------------------------------------------------- fan-in ceiling */
+
+/* How epx_fanin_reduce reads and adds the rows (the CPU backend loops either way). */
+typedef enum {
+    /* Every warp of a block takes one output row at a time (the next by ticket as it
+     * frees up) and loads 16-byte vectors of several source rows at once per lane
+     * before adding them: the access pattern of the vector combine kernel, with its
+     * loads in flight (6 rows x 3 vectors a lane on 8 blocks or fewer, else 8 x 2). */
+    EPX_FANIN_VECTOR = 1,
+} epx_fanin_kernel_t;
+
+typedef struct {
+    size_t size;               /* sizeof(epx_fanin_args_t): set by EPX_FANIN_ARGS_INIT */
+    epx_fanin_kernel_t kernel; /* EPX_FANIN_VECTOR (the default and only one) */
+    void *dst;                 /* the output rows, 16-byte aligned; device memory on CUDA */
+    int64_t dst_pitch;         /* bytes between output rows, a multiple of 16; 0 = row_bytes */
+    int64_t rows;              /* 0 to config.max_tokens_per_rank */
+    int64_t row_bytes;         /* bf16 values: a multiple of 16, at most config.hidden * 2 */
+    /* Sources per row on average, 1 to world_size (in thousandths): row i adds up
+     * k_i = floor((i + 1) * fanin) - floor(i * fanin) rows, as epx_fanout_copy's row i
+     * goes to k_i ranks. 1 = a copy through fp32 (which turns -0.0 into +0.0). */
+    double fanin;
+    int num_sms; /* SMs to use, 0 = the buffer's num_sms (at most 1024) */
+} epx_fanin_args_t;
+
+#define EPX_FANIN_ARGS_INIT {sizeof(epx_fanin_args_t), EPX_FANIN_VECTOR, NULL, 0, 0, 0, 1.0, 0}
+
+/*
+ * The fan-in sum that normal-mode combine does, without its routing and signals, to
+ * measure the ceiling of that access pattern on the machine: output row i (i < rows) is
+ * the sum of k_i bf16 rows, one from each of the ranks (rank + i + j) mod world_size for
+ * j < k_i, each read at row rank * max_tokens_per_rank + i of that rank's combine-input
+ * region (epx_get_combine_input; read through the mapping peers use in normal mode):
+ * exactly the places epx_fanout_copy with fanout = fanin writes this rank's row i to,
+ * so a fan-out followed by a fan-in returns each row added up k_i times. The rows are
+ * added element by element in fp32 starting from 0.0f, in the order j = 0, 1, ...,
+ * rounded once to bf16 (to nearest, ties to even; NaN stays NaN) and stored at dst + i *
+ * dst_pitch; the other bytes of dst are not written. Queued on `stream` (a cudaStream_t
+ * on CUDA, NULL = the legacy default stream; ignored on the CPU backend, which adds
+ * before returning); no signal to or wait for the peers: the caller brackets the call
+ * with epx_group_barrier and a stream synchronisation (the peers' rows must be in place
+ * before it starts, and stay until every rank's call is done), and times it. dst must
+ * not overlap the buffer. No operation may run on the buffer concurrently (nor an
+ * epx_fanout_copy: the two share a ticket counter on CUDA). Not for buffers whose group
+ * spans nodes (EPX_ERR_UNSUPPORTED).
+ */
+epx_status_t epx_fanin_reduce(epx_buffer_t buffer, const epx_fanin_args_t *args, void *stream);
 
 #ifdef __cplusplus
 }

@@ -220,6 +220,10 @@ struct epx__backend_ops {
      */
     epx_status_t (*fanout_copy)(epx_buffer_t buffer, const epx_fanout_args_t *args,
                                 void *stream);
+    /* Optional (NULL = EPX_ERR_UNSUPPORTED): tool support, epx_fanin_reduce (the same
+     * checks and resolutions: dst_pitch and num_sms never 0). */
+    epx_status_t (*fanin_reduce)(epx_buffer_t buffer, const epx_fanin_args_t *args,
+                                 void *stream);
 
     /*
      * Rejoin (epx_ll_rejoin, epx_buffer_create_rejoin; src/epx_ll_rejoin.c). Optional.
@@ -240,7 +244,8 @@ struct epx__backend_ops {
 /*
  * epx_fanout_copy's routing (include/epx_tool.h): the average fanout in thousandths, and
  * the number of ranks row `row` goes to, k = floor((row + 1) * F / 1000) -
- * floor(row * F / 1000) (the CUDA kernel computes the same from the same F).
+ * floor(row * F / 1000) (the CUDA kernels compute the same from the same F:
+ * epx_fanout_count in device.cuh). epx_fanin_reduce reads row `row` back from as many.
  */
 static inline int64_t epx__fanout_milli(double fanout)
 {

@@ -64,5 +64,7 @@ void bi_run_register_cases(void);
 void bi_run_register_remote_cases(void);
 /* epx_fanout_copy (tool support): refusals, then the copy checked (bad_input_fanout.c). */
 void bi_run_fanout_cases(void);
+/* epx_fanin_reduce (tool support): refusals, then a valid call (bad_input_fanin.c). */
+void bi_run_fanin_cases(void);
 
 #endif /* EPX_MULTIRANK_BAD_INPUT_H */

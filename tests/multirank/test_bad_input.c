@@ -141,11 +141,13 @@ int main(int argc, char **argv)
         bi_run_abort_cases();
         bi_run_form_cases();
         bi_run_fanout_cases();
+        bi_run_fanin_cases();
         bi_run_register_cases();
     } else if (strcmp(mode, "remote") == 0) {
         if (bi_info.world_size < 2)
             TEST_FAIL("--mode remote needs at least 2 ranks");
         bi_run_fanout_cases();
+        bi_run_fanin_cases();
         bi_run_remote_cases();
         bi_run_form_cases();
         bi_run_register_remote_cases();

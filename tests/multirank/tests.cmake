@@ -12,7 +12,8 @@ add_executable(test_bad_input
                ${EPX_MULTIRANK_DIR}/test_bad_input.c ${EPX_MULTIRANK_DIR}/bad_input_dispatch.c
                ${EPX_MULTIRANK_DIR}/bad_input_combine.c ${EPX_MULTIRANK_DIR}/bad_input_remote.c
                ${EPX_MULTIRANK_DIR}/bad_input_ll.c ${EPX_MULTIRANK_DIR}/bad_input_form.c
-               ${EPX_MULTIRANK_DIR}/bad_input_fanout.c ${EPX_MULTIRANK_DIR}/bad_input_register.c)
+               ${EPX_MULTIRANK_DIR}/bad_input_fanout.c ${EPX_MULTIRANK_DIR}/bad_input_fanin.c
+               ${EPX_MULTIRANK_DIR}/bad_input_register.c)
 add_executable(test_killed_rank ${EPX_MULTIRANK_DIR}/test_killed_rank.c)
 foreach(program test_normal test_bad_input test_killed_rank)
   target_link_libraries(${program} PRIVATE epx_multirank_common)

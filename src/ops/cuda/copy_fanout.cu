@@ -30,11 +30,6 @@
 
 #define EPX_FANOUT_WARPS (EPX_CUDA_THREADS / 32)
 
-__device__ __forceinline__ int epx_fanout_count(int64_t row, int64_t milli)
-{
-    return static_cast<int>((row + 1) * milli / 1000 - row * milli / 1000);
-}
-
 __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     epx_fanout_vector_kernel(epx__cuda_shape_t s, epx__cuda_fanout_args_t a)
 {

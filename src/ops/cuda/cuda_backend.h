@@ -9,11 +9,11 @@
  *
  * Files: backend.c (the vtable, buffers, layout, abort), dispatch.c, combine.c,
  * errors.c (device error record -> status, host waits), pool.c (device memory of
- * handles), fanout.c (tool support: epx_fanout_copy). Kernels via launch.h: layout.cu,
- * dispatch.cu and combine.cu (vector form), dispatch_bulk.cu and combine_bulk.cu
- * (bulk-copy form, EPX_NORMAL_KERNELS=2), dispatch_staged.cu (staged form, =3, the
- * default; the ring dispatches' shared parts in dispatch_parts.cuh), copy.cu,
- * copy_fanout.cu.
+ * handles), fanout.c and fanin.c (tool support: epx_fanout_copy, epx_fanin_reduce).
+ * Kernels via launch.h: layout.cu, dispatch.cu and combine.cu (vector form),
+ * dispatch_bulk.cu and combine_bulk.cu (bulk-copy form, EPX_NORMAL_KERNELS=2),
+ * dispatch_staged.cu (staged form, =3, the default; the ring dispatches' shared parts in
+ * dispatch_parts.cuh), copy.cu, copy_fanout.cu, reduce_fanin.cu.
  */
 #ifndef EPX_OPS_CUDA_BACKEND_H
 #define EPX_OPS_CUDA_BACKEND_H
@@ -264,5 +264,8 @@ epx_status_t epx__cuda_combine(epx_buffer_t buffer, const epx_combine_args_t *ar
 /* Tool support: epx_fanout_copy (fanout.c). */
 epx_status_t epx__cuda_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args,
                                    void *stream);
+/* Tool support: epx_fanin_reduce (fanin.c). */
+epx_status_t epx__cuda_fanin_reduce(epx_buffer_t buffer, const epx_fanin_args_t *args,
+                                    void *stream);
 
 #endif /* EPX_OPS_CUDA_BACKEND_H */

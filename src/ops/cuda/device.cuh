@@ -254,6 +254,17 @@ __device__ __forceinline__ int64_t epx_ticket_token(uint32_t ticket, int64_t num
     return num_warps + (int64_t)__shfl_sync(0xffffffffu, ticket, 0);
 }
 
+/*
+ * The tool calls' routing (epx_fanout_copy, epx_fanin_reduce; include/epx_tool.h): row
+ * `row` goes to (or is summed from) k = floor((row + 1) * F / 1000) - floor(row * F /
+ * 1000) ranks for an average F in thousandths, as the host's epx__fanout_count
+ * (src/ops/backend.h) computes it from the same F.
+ */
+__device__ __forceinline__ int epx_fanout_count(int64_t row, int64_t milli)
+{
+    return static_cast<int>((row + 1) * milli / 1000 - row * milli / 1000);
+}
+
 /* ---------------------------------------------------------------- bf16 */
 
 __device__ __forceinline__ float epx_bf16_lo(uint32_t pair)

@@ -516,6 +516,30 @@ typedef struct {
 cudaError_t epx__cuda_launch_fanout(const epx__cuda_shape_t *shape,
                                     const epx__cuda_fanout_args_t *args, cudaStream_t stream);
 
+/* ---------------------------------------------------------------- fan-in sum (tools) */
+
+/*
+ * epx_fanin_reduce (include/epx_tool.h): row i of dst (at dst + i * dst_pitch) is the fp32
+ * sum, rounded to bf16, of the rows at byte src_offset + (first_row + i) * src_pitch of
+ * the shared allocations of ranks (rank + i + j) mod R for j < k_i (epx_fanout_count of
+ * fanin_milli), in j order. No signals.
+ */
+typedef struct {
+    void *dst;
+    int64_t dst_pitch;
+    int64_t rows;
+    int64_t row_bytes;
+    int64_t fanin_milli;
+    int64_t src_offset;
+    int64_t src_pitch;
+    int64_t first_row;
+    int kernel; /* EPX_FANIN_* (include/epx_tool.h) */
+    int num_sms;
+} epx__cuda_fanin_args_t;
+
+cudaError_t epx__cuda_launch_fanin(const epx__cuda_shape_t *shape,
+                                   const epx__cuda_fanin_args_t *args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

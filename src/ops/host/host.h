@@ -119,5 +119,8 @@ epx_status_t epx__host_combine_input(epx_buffer_t buffer, void **base, int64_t *
 /* epx_fanout_copy (host_fanout.c). */
 epx_status_t epx__host_fanout_copy(epx_buffer_t buffer, const epx_fanout_args_t *args,
                                    void *stream);
+/* epx_fanin_reduce (host_fanin.c). */
+epx_status_t epx__host_fanin_reduce(epx_buffer_t buffer, const epx_fanin_args_t *args,
+                                    void *stream);
 
 #endif /* EPX_OPS_HOST_HOST_H */

@@ -231,5 +231,6 @@ const epx__backend_ops_t epx__host_backend = {
     .ll_mask_rank = epx__host_ll_mask_rank,
     .ll_get_masked = epx__host_ll_get_masked,
     .fanout_copy = epx__host_fanout_copy,
+    .fanin_reduce = epx__host_fanin_reduce,
     .ll_rejoin = epx__host_ll_rejoin,
 };
