@@ -54,6 +54,17 @@ add_test(NAME multirank.bad_input.n4.nodes2x2
                  --backend ${EPX_TEST_BACKEND})
 set_tests_properties(multirank.bad_input.n4.nodes2x2 PROPERTIES TIMEOUT 120 LABELS multirank)
 
+# epx_fanin_reduce (tool support) checked bit for bit, alone and after epx_fanout_copy;
+# 8 ranks for the fractional fanin 5.25 of a standard combine.
+add_executable(test_fanin ${EPX_MULTIRANK_DIR}/test_fanin.c)
+target_link_libraries(test_fanin PRIVATE epx_multirank_common m)
+foreach(ranks 2 4 8)
+  add_test(NAME multirank.fanin.n${ranks}
+           COMMAND ${EPX_LAUNCH} -n ${ranks} -- $<TARGET_FILE:test_fanin>
+                   --backend ${EPX_TEST_BACKEND})
+  set_tests_properties(multirank.fanin.n${ranks} PROPERTIES TIMEOUT 120 LABELS multirank)
+endforeach()
+
 # A rank killed inside epx_buffer_create: nothing left in /dev/shm (CPU backend).
 add_executable(test_create_killed ${EPX_MULTIRANK_DIR}/test_create_killed.c)
 target_link_libraries(test_create_killed PRIVATE epx_multirank_common)
