@@ -333,7 +333,8 @@ PY
     fi
     ;;
 bench_fanout)
-    # The copy of dispatch alone: every variant once per dtype, bytes as documented.
+    # The copy of dispatch alone: every variant once per dtype, bytes as documented; the
+    # sum of combine alone (fanin) for bf16 only.
     run "$EPX" bench -n 3 --mode fanout --tokens 64 --hidden 256 --experts 12 --topk 2 \
         --fanout 2.5 --iters 2
     expect_rc 0
@@ -348,19 +349,23 @@ bench_fanout)
     expect_count '^  bf16  bulk_2  *2.50 ' out 1
     expect_count '^  bf16  staged_4  *2.50 ' out 1
     expect_count '^  fp8   copy_engine  *2.50 ' out 1
-    expect_count '^  ' out 18
+    expect_count '^  bf16  fanin  *2.50 ' out 1
+    expect_count '^  bf16  fanin  *1.00 ' out 1
+    expect_count '^  fp8   fanin ' out 0
+    expect_count '^  ' out 20
     run "$EPX" bench -n 2 --mode fanout --tokens 32 --hidden 256 --experts 8 --topk 2 \
         --dtype bf16 --iters 2 --json
     expect_rc 0
-    expect_count '^{.*}$' out 9
+    expect_count '^{.*}$' out 11
     if command -v python3 >/dev/null 2>&1; then
         python3 - "$TMP/out" <<'PY' || fail "JSON lines do not hold what they should"
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 9, rows
+assert len(rows) == 11, rows
 for row in rows:
     assert row["mode"] == "fanout" and row["ranks"] == 2 and row["rows"] == 32, row
-    # Fanout not given: 5.25 capped at the 2 ranks; fanout 2 writes each row twice.
+    # Fanout not given: 5.25 capped at the 2 ranks; fanout 2 writes each row twice (the
+    # fan-in reads each row's 2 sources and writes it once: the same bytes).
     fanout = row["fanout"]
     assert fanout in (1, 2), row
     row_bytes = 256 * 2
@@ -373,7 +378,9 @@ for row in rows:
     assert row["span_median_us"] >= row["slowest_median_us"] * (1 - 1e-6), row
     assert row["span_of_floor"] <= row["of_floor"] * (1 + 1e-6), row
 assert [r["kernel"] for r in rows] == ["vector", "bulk", "bulk_2", "staged", "staged_4", "vector",
-                                      "bulk", "staged", "copy_engine"], rows
+                                      "bulk", "staged", "copy_engine", "fanin", "fanin"], rows
+assert [r["fanout"] for r in rows[-2:]] == [2, 1], rows
+assert all(r["dtype"] == "bf16" for r in rows), rows
 PY
     fi
     # Refused: no checks in this mode, --fanout only in it, more than the ranks.

@@ -17,7 +17,8 @@
 typedef enum {
     EPX__BENCH_MODE_NORMAL = 0, /* layout, dispatch, cached dispatch, combine (bench_case.c) */
     EPX__BENCH_MODE_LL = 1,     /* low-latency dispatch and combine (bench_ll.c) */
-    EPX__BENCH_MODE_FANOUT = 2, /* the fan-out copy of dispatch alone (bench_fanout.c) */
+    EPX__BENCH_MODE_FANOUT = 2, /* the fan-out copy of dispatch alone, and the fan-in sum
+                                   of combine (bench_fanout.c) */
 } epx__bench_mode_t;
 
 typedef struct {
@@ -50,7 +51,8 @@ typedef struct {
      * printed too (bench_nodes.h). */
     int ranks_per_node;
     epx__soak_options_t soak; /* --soak DURATION and its flags (bench_soak.h) */
-    double fanout;            /* fanout: destinations per row on average; 0 = not given */
+    double fanout;            /* fanout: destinations (fan-in: sources) per row on
+                                 average; 0 = not given */
     int register_mb;          /* normal: combine_registered's allocation at least this many
                                  MiB (x at its start); 0 = the rows and one more; rounded up
                                  to 2 MiB unless register_exact */
@@ -86,7 +88,8 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
 
 /*
  * `epx bench --mode fanout` (bench_fanout.c): the fan-out copy of dispatch alone
- * (epx_fanout_copy), vector and bulk kernels, and copy-engine copies, on rank 0's table.
+ * (epx_fanout_copy), vector, bulk and staged kernels, and copy-engine copies; then the
+ * fan-in sum of combine alone (epx_fanin_reduce); on rank 0's table.
  * Returns 0; an epx call that fails ends the process (status 1).
  */
 int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options,

@@ -1,6 +1,7 @@
 /*
  * `epx bench --mode fanout`: the copy normal-mode dispatch does, alone, to measure the
- * ceiling of its access pattern on the machine rather than assume it.
+ * ceiling of its access pattern on the machine rather than assume it; and the sum
+ * normal-mode combine does, alone, for the ceiling of its pattern (the fan-in rows).
  *
  * Every rank copies --tokens source rows; each goes to --fanout ranks on average (5.25,
  * about what a standard dispatch sends a token to, or every rank when there are fewer), into their combine-input regions
@@ -18,8 +19,14 @@
  *   copy_engine     no SMs: each rank copies fanout x tokens rows with cudaMemcpyAsync,
  *                   all ranks at once (what combine from a tensor outside the buffer must
  *                   copy in first, done by the copy engines)
+ *   fanin           bf16 only: combine's pattern (epx_fanin_reduce), each output row the
+ *                   fp32 sum of the rows at --fanout ranks on average (read from their
+ *                   combine-input regions where the fan-out wrote them, through the same
+ *                   mapping), written once to this rank's memory, with the vector combine
+ *                   kernel's loads in flight; then with fanin 1 (one source a row)
  * Each row: rank 0's median, the slowest rank's median, every rank's bytes read +
- * written, GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
+ * written (fan-out: each source row once + each copy; fan-in: each term read + each
+ * output row once; the same count), GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
  * the copy bandwidth: measured by rank 0 alone at the start (cudaMemcpyAsync of 256 MiB,
  * as tests/gpu/cuda_normal measures it), and the floor's bandwidth of the other modes.
  * Nothing makes the ranks' copies overlap (no rank waits for another inside one), so
@@ -39,24 +46,32 @@
 
 #define COPY_BANDWIDTH_BYTES ((size_t)256 << 20)
 
+typedef enum {
+    FANOUT_COPY = 0,   /* epx_fanout_copy */
+    FANOUT_ENGINE = 1, /* the copy engines (epx__bench_copy) */
+    FANIN_REDUCE = 2,  /* epx_fanin_reduce: bf16 rows only */
+} fanout_call_t;
+
 typedef struct {
     const char *name;
-    int engine;                 /* 1: copy engines (epx__bench_copy), else epx_fanout_copy */
+    fanout_call_t call;
     epx_fanout_kernel_t kernel; /* epx_fanout_copy */
-    int plain;                  /* fanout 1 instead of the option's */
+    int plain;                  /* fanout (fanin) 1 instead of the option's */
     int stages;                 /* bulk: slots per warp; staged: of the block; 0 = default */
 } fanout_variant_t;
 
 static const fanout_variant_t variants[] = {
-    {"vector", 0, EPX_FANOUT_VECTOR, 0, 0},
-    {"bulk", 0, EPX_FANOUT_BULK, 0, 0},
-    {"bulk_2", 0, EPX_FANOUT_BULK, 0, 2},
-    {"staged", 0, EPX_FANOUT_STAGED, 0, 0},
-    {"staged_4", 0, EPX_FANOUT_STAGED, 0, 4},
-    {"vector", 0, EPX_FANOUT_VECTOR, 1, 0},
-    {"bulk", 0, EPX_FANOUT_BULK, 1, 0},
-    {"staged", 0, EPX_FANOUT_STAGED, 1, 0},
-    {"copy_engine", 1, EPX_FANOUT_VECTOR, 0, 0},
+    {"vector", FANOUT_COPY, EPX_FANOUT_VECTOR, 0, 0},
+    {"bulk", FANOUT_COPY, EPX_FANOUT_BULK, 0, 0},
+    {"bulk_2", FANOUT_COPY, EPX_FANOUT_BULK, 0, 2},
+    {"staged", FANOUT_COPY, EPX_FANOUT_STAGED, 0, 0},
+    {"staged_4", FANOUT_COPY, EPX_FANOUT_STAGED, 0, 4},
+    {"vector", FANOUT_COPY, EPX_FANOUT_VECTOR, 1, 0},
+    {"bulk", FANOUT_COPY, EPX_FANOUT_BULK, 1, 0},
+    {"staged", FANOUT_COPY, EPX_FANOUT_STAGED, 1, 0},
+    {"copy_engine", FANOUT_ENGINE, EPX_FANOUT_VECTOR, 0, 0},
+    {"fanin", FANIN_REDUCE, EPX_FANOUT_VECTOR, 0, 0},
+    {"fanin", FANIN_REDUCE, EPX_FANOUT_VECTOR, 1, 0},
 };
 #define NUM_VARIANTS ((int)(sizeof(variants) / sizeof(variants[0])))
 
@@ -69,6 +84,7 @@ typedef struct {
     int rank;
     int world_size;
     void *src;         /* tokens rows of hidden * 2 bytes */
+    void *dst;         /* fanin: tokens rows of hidden * 2 bytes */
     void *engine_src;  /* copy_engine: fanout x tokens rows */
     void *engine_dst;
     double fanout;     /* destinations per row on average */
@@ -98,10 +114,19 @@ static fanout_time_t run_once(fanout_bench_t *b, const fanout_variant_t *variant
     epx__bench_must(b->rank, epx_group_barrier(b->group), "epx_group_barrier");
     time.issued_ns = (double)epx__tool_now_ns();
     epx__bench_must(b->rank, epx__bench_mark(b->device, 0), "timestamp");
-    if (variant->engine) {
+    if (variant->call == FANOUT_ENGINE) {
         size_t bytes = (size_t)written_rows(o->tokens, b->fanout) * (size_t)row_bytes;
         epx__bench_must(b->rank, epx__bench_copy(b->device, b->engine_dst, b->engine_src, bytes),
                         "copy-engine copy");
+    } else if (variant->call == FANIN_REDUCE) {
+        epx_fanin_args_t args = EPX_FANIN_ARGS_INIT;
+        args.dst = b->dst;
+        args.dst_pitch = row_bytes;
+        args.rows = o->tokens;
+        args.row_bytes = row_bytes;
+        args.fanin = variant->plain ? 1.0 : b->fanout;
+        epx__bench_must(b->rank, epx_fanin_reduce(b->buffer, &args, b->device->stream),
+                        "epx_fanin_reduce");
     } else {
         epx_fanout_args_t args = EPX_FANOUT_ARGS_INIT;
         args.kernel = variant->kernel;
@@ -137,8 +162,9 @@ static void print_header(const fanout_bench_t *b)
            b->device->backend == EPX_BACKEND_CUDA ? "a device-to-device cudaMemcpyAsync"
                                                   : "a memcpy",
            c->floor_bw_gbps, c->floor_source);
-    printf("# bytes: every rank's rows read once + written once per destination; GB/s = bytes / "
-           "slowest; of_copy, of_floor: GB/s over those bandwidths\n");
+    printf("# bytes: every rank's rows read once + written once per destination (fanin: each "
+           "of a row's sources read once + the row written once; fanout = sources per row); "
+           "GB/s = bytes / slowest; of_copy, of_floor: GB/s over those bandwidths\n");
     printf("# span: from the first rank issuing a copy to the last rank's copy finished (host "
            "clock, so a little long); the ranks' copies need not overlap, so bytes / slowest can "
            "pass the floor when they start apart: span_floor = bytes / span over the floor's "
@@ -159,7 +185,7 @@ static void print_row(const fanout_bench_t *b, const char *dtype, const fanout_v
                                ? (double)bytes / (span_us * 1e3) / c->floor_bw_gbps
                                : NAN;
     /* The copy engines use no SMs. */
-    double per_sm = !v->engine && c->sms > 0 ? gbps / ((double)c->sms * c->ranks) : NAN;
+    double per_sm = v->call != FANOUT_ENGINE && c->sms > 0 ? gbps / ((double)c->sms * c->ranks) : NAN;
     double of_copy = b->copy_gbps > 0 ? gbps / b->copy_gbps : NAN;
     double of_floor = c->floor_bw_gbps > 0 ? gbps / c->floor_bw_gbps : NAN;
     if (b->options->json) {
@@ -239,9 +265,12 @@ static void run_variant(fanout_bench_t *b, const char *dtype, const fanout_varia
     }
     double fanout = v->plain ? 1.0 : b->fanout;
     int64_t rows = b->options->tokens;
-    /* Reads: each source row once (the copy engines: each copied row); writes: each copy. */
+    /* Reads: each source row once (the copy engines: each copied row); writes: each copy.
+     * The fan-in the other way round: each of the row's sources read, each row written
+     * once; as many bytes as the fan-out at the same fanout. */
     int64_t written = written_rows(rows, fanout);
-    int64_t per_rank = v->engine ? 2 * written * row_bytes : (rows + written) * row_bytes;
+    int64_t per_rank =
+        v->call == FANOUT_ENGINE ? 2 * written * row_bytes : (rows + written) * row_bytes;
     if (b->rank == 0)
         print_row(b, dtype, v, fanout, epx__bench_median(own, iters),
                   epx__bench_median(slowest, iters), epx__bench_median(span, iters),
@@ -292,6 +321,8 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
                     "bench allocation");
     epx__bench_must(b.rank, epx__bench_alloc(device, engine_bytes, &b.engine_dst),
                     "bench allocation");
+    epx__bench_must(b.rank, epx__bench_alloc(device, (size_t)options->tokens * row_bytes, &b.dst),
+                    "bench allocation");
 
     /* Rank 0 measures the copy bandwidth while the others wait. */
     epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
@@ -306,13 +337,16 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
     for (int d = 0; d < 2; d++) {
         if ((d == 0 && !options->run_bf16) || (d == 1 && !options->run_fp8))
             continue;
+        /* Combine's rows are bf16: no fp8 fan-in. */
         for (int v = 0; v < NUM_VARIANTS; v++)
-            run_variant(&b, dtypes[d], &variants[v], options->hidden * widths[d]);
+            if (d == 0 || variants[v].call != FANIN_REDUCE)
+                run_variant(&b, dtypes[d], &variants[v], options->hidden * widths[d]);
     }
 
     epx__bench_free(device, b.src);
     epx__bench_free(device, b.engine_src);
     epx__bench_free(device, b.engine_dst);
+    epx__bench_free(device, b.dst);
     epx__bench_must(b.rank, epx_buffer_destroy(b.buffer), "epx_buffer_destroy");
     return 0;
 }
