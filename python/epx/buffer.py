@@ -270,7 +270,7 @@ class Buffer(LowLatencyMixin):
                                                    ctypes.byref(pointer))
         try:
             check(status, "buffer_create_rejoin" if _rejoin else "buffer_create")
-        except EpxError:
+        except BaseException:  # Ctrl-C in a callback too
             if self._owns_group:
                 group.destroy()
             raise

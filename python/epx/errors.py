@@ -59,17 +59,20 @@ def check(status, what=""):
     message names that exception and the EpxError is chained to it; a KeyboardInterrupt
     or SystemExit raised in the callback is raised again as it was.
     """
+    # Taken whatever the status: a call may run a callback that fails and still succeed
+    # (the group's last vote ignores its answer), and that record must not reach a later
+    # error. Ctrl-C or an exit in a callback goes on as itself either way.
+    failure = _take_callback_failure()
+    if failure is not None and not isinstance(failure, Exception):
+        raise failure
     if status == 0:
         return
     message = _capi.api().last_error()
     if not message:
         message = (what + ": " if what else "") + _capi.api().epx_status_string(
             status).decode()
-    failure = _take_callback_failure()
     if failure is None or int(status) != int(Status.ERR_BOOTSTRAP):
         raise EpxError(status, message)
-    if not isinstance(failure, Exception):
-        raise failure
     raise EpxError(status, "%s (the callback raised %s: %s)" % (
         message, type(failure).__name__, failure)) from failure
 

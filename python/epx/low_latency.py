@@ -9,7 +9,7 @@ send/receive split (docs/LOW_LATENCY.md).
 import ctypes
 
 from . import _capi, _frameworks, _tensor, errors
-from .errors import EpxError, check, invalid_argument
+from .errors import check, invalid_argument
 from .group import Group
 
 _NOT_IMPLEMENTED_STATS = ("%s: %s is not supported by epx (the counts are in recv_count; "
@@ -366,7 +366,7 @@ class LowLatencyMixin:
         group = _resolve_group("rejoin", group, self.backend)
         try:
             check(_capi.api().epx_ll_rejoin(self.pointer, group.pointer), "ll_rejoin")
-        except EpxError:
+        except BaseException:  # Ctrl-C in a callback too
             if owns:
                 group.destroy()
             raise

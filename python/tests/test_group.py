@@ -151,11 +151,6 @@ def test_callback_exception_later_is_named():
         assert info.value.message.endswith(
             "(the callback raised PeerGone: Connection closed by peer [10.0.0.2]:4711)")
         assert info.value.__cause__ is state["fail"]
-        # Recorded for that call only: a later failure of another kind says nothing of it.
-        with pytest.raises(epx.EpxError) as info:
-            cgroup.allgather(b"")
-        assert info.value.status == Status.ERR_INVALID_ARG
-        assert "callback raised" not in info.value.message
         # The bootstrap stays failed (the ranks may be out of step), naming the cause.
         with pytest.raises(epx.EpxError, match="an earlier exchange failed"):
             cgroup.allgather(b"x")
@@ -165,6 +160,36 @@ def test_callback_exception_later_is_named():
         state["fail"] = KeyboardInterrupt()
         with pytest.raises(KeyboardInterrupt):
             cgroup.allgather(b"x")
+
+
+def test_callback_failure_is_kept_for_one_call_only():
+    """errors.check takes a callback's recorded exception at the next C call's answer,
+    whatever it is, and names it only in an EPX_ERR_BOOTSTRAP error."""
+    from epx import errors
+
+    errors.note_callback_failure(RuntimeError("peer gone"))
+    errors.check(0)  # the call ran the callback and still succeeded: the record goes
+    with pytest.raises(epx.EpxError) as info:
+        errors.check(int(Status.ERR_BOOTSTRAP), "bootstrap")
+    assert "callback raised" not in info.value.message and info.value.__cause__ is None
+
+    errors.note_callback_failure(RuntimeError("peer gone"))
+    with pytest.raises(epx.EpxError) as info:
+        errors.check(int(Status.ERR_INVALID_ARG), "allgather")
+    assert "callback raised" not in info.value.message
+    with pytest.raises(epx.EpxError) as info:  # taken by the call before
+        errors.check(int(Status.ERR_BOOTSTRAP), "bootstrap")
+    assert "callback raised" not in info.value.message
+
+    errors.note_callback_failure(RuntimeError("peer gone"))
+    with pytest.raises(epx.EpxError) as info:
+        errors.check(int(Status.ERR_BOOTSTRAP), "bootstrap")
+    assert info.value.message.endswith("(the callback raised RuntimeError: peer gone)")
+
+    errors.note_callback_failure(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):  # even from a call that succeeded
+        errors.check(0)
+    errors.check(0)
 
 
 def test_create_from_unique_id_of_one():

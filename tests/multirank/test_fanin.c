@@ -30,8 +30,12 @@
 #include "mem.h"
 #include "test_util.h"
 
-#define FI_TOKENS 144  /* max_tokens_per_rank: 9 blocks of 16 warps on the GPU */
-#define FI_HIDDEN 320  /* 40 vectors of 16 bytes: batches of lanes end part-way */
+/* max_tokens_per_rank: more rows than 16 blocks of 16 warps, so at 16 SMs (the 8 x 2
+ * loads form) rows pass by ticket between blocks as well as at 1 SM (the 6 x 3 form). */
+#define FI_TOKENS 448
+/* 205 vectors of 16 bytes: several batches of 32 lanes x 2 or 3 vectors a row, the last
+ * ending part-way. */
+#define FI_HIDDEN 1640
 #define FI_ROW_BYTES (FI_HIDDEN * 2)
 #define FI_UNTOUCHED 0xee
 
@@ -291,9 +295,11 @@ static void run_sources(epx_buffer_t buffer, const epx_tensor_t *region, double 
         TEST_FAIL("rank %d: fanin %.2f: the sums in reverse order round the same everywhere, "
                   "so the check cannot tell the order (pick other values)",
                   info.rank, fanin);
-    printf("rank %d: fanin %.2f sources on %d SMs: %lld rows of %lld bytes from the right "
+    char budget[32];
+    snprintf(budget, sizeof(budget), num_sms > 0 ? "%d SMs" : "the buffer's SMs", num_sms);
+    printf("rank %d: fanin %.2f sources on %s: %lld rows of %lld bytes from the right "
            "ranks, in order (%lld elements would differ in reverse)\n",
-           info.rank, fanin, num_sms, (long long)c.rows, (long long)c.row_bytes,
+           info.rank, fanin, budget, (long long)c.rows, (long long)c.row_bytes,
            (long long)reversed_differs);
     free(sums);
 }
