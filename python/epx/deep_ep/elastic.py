@@ -20,7 +20,6 @@ import numpy as np
 from ..buffer import Buffer as _EpxBuffer
 from .._tensor import RawBits
 from ..errors import EpxError, Status, invalid_argument
-from ..events import EventOverlap
 from . import _elastic_ops as ops
 from . import _ops
 from .buffer import Buffer as _V1Buffer
