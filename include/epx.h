@@ -596,10 +596,23 @@ typedef struct {
      * across calls. (Appended in epx 0.1: args of the older size,
      * offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats), are accepted.) */
     epx_tensor_t cumulative_local_expert_recv_stats;
+    /* Optional [R] int64, contiguous (DeepEP's dispatch_wait_recv_cost_stats): for each
+     * source rank s, the receive adds to entry s the nanoseconds from the start of the
+     * receive (for a call without EPX_LL_SEND_ONLY: of the call, whose send and receive
+     * are one) until s's data (its counts and rows) had arrived, timed with the GPU's
+     * global timer (CPU backend: CLOCK_MONOTONIC), in stream order; so a slow rank stands
+     * out as the largest entry on the others. Masked ranks, and a rank whose wait fails,
+     * add nothing. Nanoseconds, where DeepEP counts SM clock cycles (and adds once per
+     * local expert and source; docs/LOW_LATENCY.md). GPU: kernels 2 only (the default);
+     * a buffer on kernels 1 refuses it with EPX_ERR_UNSUPPORTED, before anything is sent.
+     * (Appended in epx 0.1: args of the older sizes, offsetof(epx_ll_dispatch_args_t,
+     * wait_recv_cost_stats) and the one before, are accepted.) */
+    epx_tensor_t wait_recv_cost_stats;
 } epx_ll_dispatch_args_t;
 
-#define EPX_LL_DISPATCH_ARGS_INIT \
-    {sizeof(epx_ll_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, 0, 0, 0u, EPX_TENSOR_NONE}
+#define EPX_LL_DISPATCH_ARGS_INIT                                                         \
+    {sizeof(epx_ll_dispatch_args_t), EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0, 0, 0, 0u,      \
+     EPX_TENSOR_NONE, EPX_TENSOR_NONE}
 
 /*
  * Dispatch results: views into the buffer's slot, valid until the slot is reused (two
@@ -652,11 +665,18 @@ typedef struct {
     epx_tensor_t topk_weights; /* [tokens, k] fp32 */
     epx_tensor_t out;          /* [tokens, hidden] bf16, written (by the receive) */
     uint32_t flags;            /* EPX_LL_SEND_ONLY */
+    /* Optional [R] int64, contiguous (DeepEP's combine_wait_recv_cost_stats): for each
+     * expert rank s, the receive adds to entry s the nanoseconds from the start of the
+     * receive (or call) until s's expert outputs had arrived; clocks, masked ranks, units
+     * and kernels as in epx_ll_dispatch_args_t.wait_recv_cost_stats. (Appended in epx 0.1:
+     * args of the older size, offsetof(epx_ll_combine_args_t, wait_recv_cost_stats), are
+     * accepted.) */
+    epx_tensor_t wait_recv_cost_stats;
 } epx_ll_combine_args_t;
 
 #define EPX_LL_COMBINE_ARGS_INIT                                                           \
     {sizeof(epx_ll_combine_args_t), EPX_LL_HANDLE_NONE, EPX_TENSOR_NONE, EPX_TENSOR_NONE,  \
-     EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0u}
+     EPX_TENSOR_NONE, EPX_TENSOR_NONE, 0u, EPX_TENSOR_NONE}
 
 typedef struct {
     size_t size;

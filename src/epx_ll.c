@@ -102,6 +102,36 @@ static epx_status_t ll_resolve(epx_buffer_t buffer, epx_ll_handle_t handle, cons
     return EPX_SUCCESS;
 }
 
+/*
+ * Args of an older accepted size, from before cumulative_local_expert_recv_stats or
+ * wait_recv_cost_stats was appended, read as the full struct (the fields they lack read
+ * as not given); any other args as they are, for the checks to judge.
+ */
+static const epx_ll_dispatch_args_t *ll_dispatch_args_read(const epx_ll_dispatch_args_t *args,
+                                                           epx_ll_dispatch_args_t *full)
+{
+    if (args == NULL ||
+        (args->size != offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats) &&
+         args->size != offsetof(epx_ll_dispatch_args_t, wait_recv_cost_stats)))
+        return args;
+    memset(full, 0, sizeof(*full));
+    memcpy(full, args, args->size);
+    full->size = sizeof(*full);
+    return full;
+}
+
+/* The same for combine args from before wait_recv_cost_stats was appended. */
+static const epx_ll_combine_args_t *ll_combine_args_read(const epx_ll_combine_args_t *args,
+                                                         epx_ll_combine_args_t *full)
+{
+    if (args == NULL || args->size != offsetof(epx_ll_combine_args_t, wait_recv_cost_stats))
+        return args;
+    memset(full, 0, sizeof(*full));
+    memcpy(full, args, args->size);
+    full->size = sizeof(*full);
+    return full;
+}
+
 epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
                              epx_ll_dispatch_result_t *result, void *stream)
 {
@@ -109,16 +139,8 @@ epx_status_t epx_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *
     epx__clear_error();
     EPX_CHECK(epx__object_check(EPX__OBJECT_BUFFER, buffer, op, "buffer"));
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
-    /* Args from before cumulative_local_expert_recv_stats was appended: read as the full
-     * struct (the field then reads as not given). */
     epx_ll_dispatch_args_t full;
-    if (args != NULL &&
-        args->size == offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats)) {
-        memset(&full, 0, sizeof(full));
-        memcpy(&full, args, args->size);
-        full.size = sizeof(full);
-        args = &full;
-    }
+    args = ll_dispatch_args_read(args, &full);
     EPX_CHECK(epx__validate_ll_dispatch(buffer, args, result));
     EPX_CHECK(ll_check_backend(buffer, op, (const void *)buffer->ops->ll_dispatch));
     if (buffer->ops->caps & EPX__BACKEND_HOST_TENSORS)
@@ -202,6 +224,8 @@ epx_status_t epx_ll_combine(epx_buffer_t buffer, const epx_ll_combine_args_t *ar
     EPX_CHECK(epx__buffer_check_usable(buffer, op));
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
+    epx_ll_combine_args_t full;
+    args = ll_combine_args_read(args, &full);
     if (args->size != sizeof(epx_ll_combine_args_t))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_LL_COMBINE_ARGS_INIT)", op,

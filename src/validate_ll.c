@@ -2,7 +2,6 @@
  * Argument checks of the low-latency entry points (see validate.h). Shapes follow
  * include/epx.h: M = max_low_latency_tokens, R = world size, L = local experts.
  */
-#include <stddef.h>
 
 #include "validate.h"
 
@@ -58,14 +57,30 @@ static epx_status_t check_row_align(epx_buffer_t buffer, const char *op, const c
     return EPX_SUCCESS;
 }
 
+/*
+ * The optional wait_recv_cost_stats: [R] int64, contiguous (one entry per peer rank), on a
+ * buffer whose backend fills it. Refused before anything is sent, as every rank refuses
+ * alike (the ranks of a buffer share its backend and kernels).
+ */
+static epx_status_t check_wait_stats(epx_buffer_t buffer, const char *op, const epx_tensor_t *t)
+{
+    if (!epx__tensor_given(t))
+        return EPX_SUCCESS;
+    EPX_CHECK(epx__check_tensor(op, "wait_recv_cost_stats", t, EPX_DTYPE_INT64, 1,
+                                buffer->group->world_size, -1));
+    if (buffer->ops->ll_check_wait_stats != NULL)
+        EPX_CHECK(buffer->ops->ll_check_wait_stats(buffer, op));
+    return EPX_SUCCESS;
+}
+
 epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatch_args_t *args,
                                        const epx_ll_dispatch_result_t *result)
 {
     const char *op = "ll_dispatch";
     if (args == NULL)
         return EPX_ERROR(EPX_ERR_INVALID_ARG, "%s: args is NULL", op);
-    if (args->size != sizeof(epx_ll_dispatch_args_t) &&
-        args->size != offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats))
+    /* epx_ll_dispatch reads args of the older sizes as the full struct first. */
+    if (args->size != sizeof(epx_ll_dispatch_args_t))
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: args.size is %zu, expected %zu (use EPX_LL_DISPATCH_ARGS_INIT)", op,
                          args->size, sizeof(epx_ll_dispatch_args_t));
@@ -89,11 +104,11 @@ epx_status_t epx__validate_ll_dispatch(epx_buffer_t buffer, const epx_ll_dispatc
                          op, (long long)tokens, (long long)config->max_low_latency_tokens);
     EPX_CHECK(epx__check_tensor(op, "topk_idx", &args->topk_idx, EPX_DTYPE_INT64, 2, tokens,
                                 config->num_topk));
-    if (args->size == sizeof(epx_ll_dispatch_args_t) &&
-        epx__tensor_given(&args->cumulative_local_expert_recv_stats))
+    if (epx__tensor_given(&args->cumulative_local_expert_recv_stats))
         EPX_CHECK(epx__check_tensor(op, "cumulative_local_expert_recv_stats",
                                     &args->cumulative_local_expert_recv_stats, EPX_DTYPE_INT32, 1,
                                     buffer->num_local_experts, -1));
+    EPX_CHECK(check_wait_stats(buffer, op, &args->wait_recv_cost_stats));
     if (!args->use_fp8 && config->low_latency_dtype == EPX_DTYPE_FP8_E4M3)
         return EPX_ERROR(EPX_ERR_INVALID_ARG,
                          "%s: the buffer was created with config.low_latency_dtype = fp8_e4m3 "
@@ -136,6 +151,7 @@ epx_status_t epx__validate_ll_combine(epx_buffer_t buffer, const epx_ll_combine_
                                 config->hidden));
     EPX_CHECK(check_row_align(buffer, op, "x", &args->x));
     EPX_CHECK(check_row_align(buffer, op, "out", &args->out));
+    EPX_CHECK(check_wait_stats(buffer, op, &args->wait_recv_cost_stats));
     return EPX_SUCCESS;
 }
 

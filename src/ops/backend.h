@@ -213,6 +213,10 @@ struct epx__backend_ops {
     /* Bytes that the rows of the low-latency x (dispatch), x and out (combine) must start
      * on (0 = any): checked with the other arguments, before anything is sent. */
     int ll_row_align;
+    /* Optional (NULL: supported): EPX_SUCCESS, or the error (naming `op`) when this
+     * buffer cannot fill the receives' wait_recv_cost_stats; checked with the other
+     * arguments, before anything is sent. */
+    epx_status_t (*ll_check_wait_stats)(epx_buffer_t buffer, const char *op);
 
     /*
      * Optional (NULL = EPX_ERR_UNSUPPORTED): tool support, epx_fanout_copy

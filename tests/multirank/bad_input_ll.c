@@ -6,6 +6,7 @@
  * asynchronously (dispatch and combine, short and long routing, outputs checked).
  */
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -201,6 +202,59 @@ static void ll_long_dispatch_bad_id_case(void)
     free(weights_host);
 }
 
+/* One call of the operation under test, for ll_wait_stats_refusals. */
+typedef struct {
+    epx_buffer_t buffer;
+    epx_ll_dispatch_args_t *dispatch; /* or NULL: the combine */
+    epx_ll_dispatch_result_t *result;
+    epx_ll_combine_args_t *combine;
+} ll_call_t;
+
+static ll_call_t ll_dispatch_call(epx_buffer_t buffer, epx_ll_dispatch_args_t *args,
+                                  epx_ll_dispatch_result_t *result)
+{
+    return (ll_call_t){buffer, args, result, NULL};
+}
+
+static ll_call_t ll_combine_call(epx_buffer_t buffer, epx_ll_combine_args_t *args)
+{
+    return (ll_call_t){buffer, NULL, NULL, args};
+}
+
+static epx_status_t ll_call(const ll_call_t *call)
+{
+    if (call->dispatch != NULL)
+        return epx_ll_dispatch(call->buffer, call->dispatch, call->result, NULL);
+    return epx_ll_combine(call->buffer, call->combine, NULL, NULL);
+}
+
+/*
+ * Every refusal of wait_recv_cost_stats ([R] int64, 1-d, contiguous), through `stats`,
+ * the field of the args that `call` passes; the field is left not given. (A strided
+ * tensor is refused too, but needs two ranks to be one: tests/multirank/test_ll.c.)
+ */
+static void ll_wait_stats_refusals(const char *op, epx_tensor_t *stats, ll_call_t call)
+{
+    char what[96];
+    const int64_t world = bi_info.world_size;
+    *stats = epx_tensor_1d(ll_mem.idx, EPX_DTYPE_INT32, world);
+    snprintf(what, sizeof(what), "ll: %s wait_recv_cost_stats dtype", op);
+    bi_expect(what, ll_call(&call), EPX_ERR_INVALID_ARG, "wait_recv_cost_stats");
+    CHECK_ERROR_MENTIONS("expected int64");
+    *stats = epx_tensor_1d(ll_mem.idx, EPX_DTYPE_INT64, world + 1);
+    snprintf(what, sizeof(what), "ll: %s wait_recv_cost_stats length", op);
+    bi_expect(what, ll_call(&call), EPX_ERR_INVALID_ARG, "wait_recv_cost_stats");
+    *stats = epx_tensor_2d(ll_mem.idx, EPX_DTYPE_INT64, 1, world);
+    snprintf(what, sizeof(what), "ll: %s wait_recv_cost_stats 2-d", op);
+    bi_expect(what, ll_call(&call), EPX_ERR_INVALID_ARG, "wait_recv_cost_stats");
+    CHECK_ERROR_MENTIONS("expected 1");
+    *stats = epx_tensor_1d(ll_mem.idx, EPX_DTYPE_INT64, world);
+    stats->strides[0] = -1;
+    snprintf(what, sizeof(what), "ll: %s wait_recv_cost_stats negative stride", op);
+    bi_expect(what, ll_call(&call), EPX_ERR_INVALID_ARG, "wait_recv_cost_stats");
+    *stats = (epx_tensor_t)EPX_TENSOR_NONE;
+}
+
 void bi_run_ll_cases(void)
 {
     ll_mem.x = mr_mem_alloc(sizeof(x_data), 0);
@@ -287,6 +341,18 @@ void bi_run_ll_cases(void)
     bi_expect("ll: cumulative_local_expert_recv_stats dtype",
               epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG,
               "cumulative_local_expert_recv_stats");
+    args = ll_args(LL_HIDDEN, LL_TOKENS);
+    ll_wait_stats_refusals("ll_dispatch", &args.wait_recv_cost_stats,
+                           ll_dispatch_call(buffer, &args, &result));
+    /* Args of the sizes from before wait_recv_cost_stats and before
+     * cumulative_local_expert_recv_stats: what lies past them is not read (a valid step). */
+    args = ll_args(LL_HIDDEN, LL_TOKENS);
+    args.wait_recv_cost_stats = epx_tensor_1d(ll_mem.idx, EPX_DTYPE_INT32, 99);
+    args.size = offsetof(epx_ll_dispatch_args_t, wait_recv_cost_stats);
+    CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
+    args.cumulative_local_expert_recv_stats = args.wait_recv_cost_stats;
+    args.size = offsetof(epx_ll_dispatch_args_t, cumulative_local_expert_recv_stats);
+    CHECK_OK(epx_ll_dispatch(buffer, &args, &result, NULL));
     args = ll_args(LL_HIDDEN, LL_TOKENS);
     args.topk_idx.shape[1] = BI_TOPK + 1;
     bi_expect("ll: topk_idx width", epx_ll_dispatch(buffer, &args, &result, NULL),
@@ -409,6 +475,9 @@ void bi_run_ll_cases(void)
     back.topk_idx.shape[0] = LL_TOKENS - 1;
     bi_expect("ll: combine topk_idx rows", epx_ll_combine(buffer, &back, NULL, NULL),
               EPX_ERR_INVALID_ARG, "topk_idx");
+    back = ll_combine_args(result.handle, x);
+    ll_wait_stats_refusals("ll_combine", &back.wait_recv_cost_stats,
+                           ll_combine_call(buffer, &back));
     bi_expect("ll: get_combine_buffer NULL x",
               epx_ll_get_combine_buffer(buffer, result.handle, NULL), EPX_ERR_INVALID_ARG, "x");
     CHECK_ERROR_MENTIONS("x is NULL");
@@ -437,6 +506,10 @@ void bi_run_ll_cases(void)
     mr_mem_to_device(x.data, zeros, x_bytes);
     free(zeros);
     back = ll_combine_args(result.handle, x);
+    CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
+    /* Combine args of the size from before wait_recv_cost_stats: the field is not read. */
+    back.wait_recv_cost_stats = epx_tensor_1d(ll_mem.idx, EPX_DTYPE_INT32, 99);
+    back.size = offsetof(epx_ll_combine_args_t, wait_recv_cost_stats);
     CHECK_OK(epx_ll_combine(buffer, &back, NULL, NULL));
     CHECK_OK(epx_buffer_destroy(buffer));
     ll_combine_bad_id_case();

@@ -7,8 +7,10 @@
  * and a duplicated expert; an empty rank; fp8 on buffers sized for fp8 rows
  * (config.low_latency_dtype = FP8_E4M3); EPX_LL_SEND_ONLY with receive; two steps in
  * flight with step 0's combine after step 1's dispatch, through the zero-copy combine
- * buffer; every misuse error (which must leave the buffer usable); a masked rank (with
- * two or more ranks). Values are compared exactly (same algorithm, same rounding).
+ * buffer; every misuse error (which must leave the buffer usable); the receives' wait
+ * times (wait_recv_cost_stats: a rank that starts late stands out on the others); a
+ * masked rank (with two or more ranks; it adds no wait time). Values are compared
+ * exactly (same algorithm, same rounding).
  *
  * Inputs and outputs live in the backend's memory (mem.h): host memory on the host
  * backend, device memory on the CUDA backend, where the results are views into device
@@ -146,6 +148,9 @@ static void step_poison_out(step_t *s)
 
 /* Backend memory of [L] int32 that dispatches add their recv_count to, or NULL. */
 static void *recv_stats;
+/* Backend memory of [R] int64 that the receives of dispatches and of combines add their
+ * wait times to (wait_recv_cost_stats), or NULL. */
+static void *dispatch_wait_stats, *combine_wait_stats;
 
 static epx_status_t step_dispatch(epx_buffer_t buffer, step_t *s, uint32_t flags)
 {
@@ -153,6 +158,9 @@ static epx_status_t step_dispatch(epx_buffer_t buffer, step_t *s, uint32_t flags
     if (recv_stats != NULL)
         args.cumulative_local_expert_recv_stats =
             epx_tensor_1d(recv_stats, EPX_DTYPE_INT32, EXPERTS_PER_RANK);
+    if (dispatch_wait_stats != NULL)
+        args.wait_recv_cost_stats =
+            epx_tensor_1d(dispatch_wait_stats, EPX_DTYPE_INT64, info.world_size);
     args.x = epx_tensor_2d(s->x, EPX_DTYPE_BF16, s->in.num_tokens, s->c.hidden);
     args.topk_idx = epx_tensor_2d(s->topk_idx, EPX_DTYPE_INT64, s->in.num_tokens, TOPK);
     args.use_fp8 = s->cast.use_fp8;
@@ -403,6 +411,9 @@ static epx_status_t step_combine(epx_buffer_t buffer, step_t *s, void *x, uint32
         epx_tensor_2d(s->topk_weights, EPX_DTYPE_FP32, s->in.num_tokens, TOPK);
     args.out = epx_tensor_2d(s->out, EPX_DTYPE_BF16, s->in.num_tokens, s->c.hidden);
     args.flags = flags;
+    if (combine_wait_stats != NULL)
+        args.wait_recv_cost_stats =
+            epx_tensor_1d(combine_wait_stats, EPX_DTYPE_INT64, info.world_size);
     mr_mem_sync();
     return epx_ll_combine(buffer, &args, result, NULL);
 }
@@ -647,6 +658,145 @@ static void run_misuse(void)
         printf("test_ll: misuse ok\n");
 }
 
+/* What the wait-time tests start every entry at: 10 s + rank, so that a backend that
+ * wrote its times instead of adding them would be caught. */
+#define WAIT_STATS_BASE 10000000000ll
+/* Set when this buffer's backend refuses wait_recv_cost_stats (a GPU on kernels 1). */
+static int wait_stats_refused;
+
+/* [R] int64 in backend memory, entry r = WAIT_STATS_BASE + r (mr_mem_free it). */
+static void *wait_stats_alloc(void)
+{
+    int64_t base[64];
+    CHECK(info.world_size <= 64);
+    for (int r = 0; r < info.world_size; r++)
+        base[r] = WAIT_STATS_BASE + r;
+    return mr_mem_from_host(base, (size_t)info.world_size * sizeof(int64_t));
+}
+
+/*
+ * One operation's wait_recv_cost_stats, before and after it: every entry added a time
+ * >= 0 (never fell), and when rank `late` (or -1) started 0.3 s late, every other rank
+ * added more than 0.2 s for it, and for every other rank at least 0.1 s less (each rank
+ * timed on its own: not the end of a wait for all of them).
+ */
+static void check_wait_stats(const char *what, const int64_t *before, const int64_t *after,
+                             int late)
+{
+    for (int r = 0; r < info.world_size; r++)
+        if (after[r] < before[r])
+            TEST_FAIL("rank %d: %s: wait_recv_cost_stats[%d] went from %lld to %lld (the "
+                      "receive must add a time >= 0)",
+                      info.rank, what, r, (long long)before[r], (long long)after[r]);
+    if (late < 0 || late == info.rank)
+        return;
+    int64_t waited = after[late] - before[late];
+    if (waited <= 200000000)
+        TEST_FAIL("rank %d: %s: rank %d started 0.3 s late, but wait_recv_cost_stats[%d] "
+                  "grew by %lld ns only",
+                  info.rank, what, late, late, (long long)waited);
+    for (int r = 0; r < info.world_size; r++)
+        if (r != late && after[r] - before[r] > waited - 100000000)
+            TEST_FAIL("rank %d: %s: wait_recv_cost_stats[%d] grew by %lld ns, not 0.1 s less "
+                      "than the late rank %d's %lld ns",
+                      info.rank, what, r, (long long)(after[r] - before[r]), late,
+                      (long long)waited);
+}
+
+/*
+ * wait_recv_cost_stats of dispatch and combine: each receive adds, per rank, the time it
+ * waited for that rank, so a rank that starts late shows as the largest entry on every
+ * other rank. Step 0 is on time; the last rank sleeps 0.3 s before its dispatch (step
+ * 1), before its combine (step 2), and before both of step 3, which runs with
+ * EPX_LL_SEND_ONLY + receive (the slot keeps the tensors for the receive). The last
+ * rank, because on the GPU a dispatch's send waits for the lower ranks' counts: a lower
+ * late rank would be waited for in the send, which a split step does not time. The
+ * results stay the oracle's. Also: a strided tensor is refused (one entry needs no
+ * stride, so two ranks and up), and so are the stats on a GPU whose buffer runs kernels
+ * 1 (EPX_LL_KERNELS=1), which then is all that is checked.
+ */
+static void run_wait_stats(void)
+{
+    int world = info.world_size, late = world >= 2 ? world - 1 : -1;
+    int64_t hidden = 256;
+    moe_ll_cast_t bf16 = {0, 0, 0};
+    size_t bytes = (size_t)world * sizeof(int64_t);
+    epx_buffer_t buffer = make_buffer(hidden);
+    int64_t before[64], after[64];
+    dispatch_wait_stats = wait_stats_alloc();
+    combine_wait_stats = wait_stats_alloc();
+    for (int step = 0; step < 4; step++) {
+        int late_dispatch = step == 1 || step == 3, late_combine = step >= 2;
+        uint32_t flags = step == 3 ? EPX_LL_SEND_ONLY : 0;
+        step_t s;
+        step_init(&s, 500 + (uint64_t)step, hidden, MAX_TOKENS, -1, bf16);
+        if (step == 0 && world >= 2) {
+            epx_ll_dispatch_args_t args = EPX_LL_DISPATCH_ARGS_INIT;
+            args.x = epx_tensor_2d(s.x, EPX_DTYPE_BF16, s.in.num_tokens, hidden);
+            args.topk_idx = epx_tensor_2d(s.topk_idx, EPX_DTYPE_INT64, s.in.num_tokens, TOPK);
+            args.wait_recv_cost_stats =
+                epx_tensor_1d(dispatch_wait_stats, EPX_DTYPE_INT64, world);
+            args.wait_recv_cost_stats.strides[0] = 2;
+            epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
+            CHECK_STATUS(epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG);
+            CHECK_ERROR_MENTIONS("wait_recv_cost_stats must be contiguous");
+        }
+        mr_mem_to_host(before, dispatch_wait_stats, bytes);
+        if (late_dispatch && info.rank == late)
+            usleep(300000);
+        epx_status_t status = step_dispatch(buffer, &s, flags);
+        if (status == EPX_ERR_UNSUPPORTED && step == 0 && info.backend == EPX_BACKEND_CUDA) {
+            CHECK_ERROR_MENTIONS("kernels 2");
+            wait_stats_refused = 1;
+            if (info.rank == 0)
+                printf("test_ll: wait_recv_cost_stats refused on kernels 1: \"%s\"\n",
+                       epx_last_error());
+            step_free(&s);
+            break;
+        }
+        CHECK_OK(status);
+        if (flags)
+            CHECK_OK(epx_ll_receive(buffer, s.got.handle, NULL));
+        check_dispatch(&s, NULL);
+        mr_mem_to_host(after, dispatch_wait_stats, bytes);
+        check_wait_stats("dispatch", before, after, late_dispatch ? late : -1);
+
+        void *x = alloc_expert_outputs(&s);
+        mr_mem_to_host(before, combine_wait_stats, bytes);
+        if (late_combine && info.rank == late)
+            usleep(300000);
+        epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
+        CHECK_OK(step_combine(buffer, &s, x, flags, &result));
+        if (flags)
+            CHECK_OK(epx_ll_receive(buffer, s.got.handle, NULL));
+        check_combine(&s, NULL, &result);
+        mr_mem_to_host(after, combine_wait_stats, bytes);
+        check_wait_stats("combine", before, after, late_combine ? late : -1);
+        check_no_async_error(buffer, "wait stats");
+        mr_mem_free(x);
+        step_free(&s);
+    }
+    mr_mem_free(dispatch_wait_stats);
+    mr_mem_free(combine_wait_stats);
+    dispatch_wait_stats = combine_wait_stats = NULL;
+    CHECK_OK(epx_buffer_destroy(buffer));
+    if (info.rank == 0 && !wait_stats_refused)
+        printf("test_ll: wait_recv_cost_stats ok (rank %d late)\n", late);
+}
+
+/* After steps with rank `lost` masked: its entry is as it started, the others no less. */
+static void check_masked_wait_stats(const char *what, void *stats, int lost)
+{
+    int64_t got[64];
+    mr_mem_to_host(got, stats, (size_t)info.world_size * sizeof(int64_t));
+    for (int r = 0; r < info.world_size; r++)
+        if (r == lost ? got[r] != WAIT_STATS_BASE + r : got[r] < WAIT_STATS_BASE + r)
+            TEST_FAIL("rank %d: %s: wait_recv_cost_stats[%d] is %lld after steps with rank %d "
+                      "masked, from %lld",
+                      info.rank, what, r, (long long)got[r], lost,
+                      (long long)(WAIT_STATS_BASE + r));
+}
+
 /* The last rank is lost: every other rank masks it and carries on. */
 static void run_masked(void)
 {
@@ -656,6 +806,11 @@ static void run_masked(void)
     epx_buffer_t buffer = make_buffer(hidden);
     uint8_t *mask = calloc((size_t)world, 1);
     mask[lost] = 1;
+    /* The masked rank adds nothing to the wait times (the others something >= 0). */
+    if (!wait_stats_refused) {
+        dispatch_wait_stats = wait_stats_alloc();
+        combine_wait_stats = wait_stats_alloc();
+    }
     if (info.rank != lost) {
         check_mask_query(buffer, NULL);
         CHECK_OK(epx_ll_mask_rank(buffer, lost));
@@ -686,6 +841,13 @@ static void run_masked(void)
             step_free(&s);
         }
     }
+    if (!wait_stats_refused && info.rank != lost) {
+        check_masked_wait_stats("dispatch", dispatch_wait_stats, lost);
+        check_masked_wait_stats("combine", combine_wait_stats, lost);
+    }
+    mr_mem_free(dispatch_wait_stats);
+    mr_mem_free(combine_wait_stats);
+    dispatch_wait_stats = combine_wait_stats = NULL;
     CHECK_OK(epx_group_barrier(group));
     free(mask);
     CHECK_OK(epx_buffer_destroy(buffer));
@@ -715,6 +877,7 @@ int main(int argc, char **argv)
         run_across_nodes();
     run_overlap();
     run_misuse();
+    run_wait_stats();
     if (info.world_size >= 2)
         run_masked();
     CHECK_OK(epx_group_barrier(group));

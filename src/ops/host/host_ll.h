@@ -61,6 +61,11 @@ typedef struct {
     uint8_t *failed; /* [R] scratch of the waits */
     epx_tensor_t topk_idx, topk_weights, out; /* combine's, for its receive */
     int32_t *recv_stats; /* dispatch's cumulative_local_expert_recv_stats, or NULL */
+    /* The wait_recv_cost_stats of the dispatch and of the combine, or NULL: kept for
+     * their receives (EPX_LL_SEND_ONLY), like recv_stats; and the time they count from
+     * (epx__host_ll_wait_start). */
+    int64_t *dispatch_wait_stats, *combine_wait_stats;
+    int64_t dispatch_wait_start, combine_wait_start;
 } epx__host_ll_slot_t;
 
 typedef struct epx__host_ll {
@@ -73,6 +78,7 @@ typedef struct epx__host_ll {
     float *cast_scales;      /* [S] */
     float *accumulator;      /* [hidden] */
     uint64_t **wait_flags;   /* [R] */
+    int64_t *arrived_ns;     /* [R] when a timed wait saw each flag */
 } epx__host_ll_t;
 
 epx_status_t epx__host_ll_layout(int world_size, const epx_buffer_config_t *config,
@@ -112,6 +118,26 @@ static inline uint64_t *epx__host_ll_flag(const epx__host_ll_t *ll, int owner, i
  */
 epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
                                uint64_t target, const char *stage, epx__host_ll_slot_t *s);
+
+/*
+ * What a send keeps as the start that its receive's wait_recv_cost_stats count from: a
+ * call without EPX_LL_SEND_ONLY counts from its own start (its send and receive are one,
+ * as on the GPU, where one launch does both), so now; else 0: the receive's start.
+ */
+static inline int64_t epx__host_ll_wait_start(const void *stats, uint32_t flags)
+{
+    return stats != NULL && !(flags & EPX_LL_SEND_ONLY) ? epx__now_ns() : 0;
+}
+
+/*
+ * A receive's wait (as epx__host_ll_wait) that, when `stats` is not NULL, adds to
+ * stats[r] the nanoseconds from `start` (0: now) until rank r's flag was seen, for each
+ * rank the step still exchanges with (wait_recv_cost_stats: masked and failed ranks add
+ * nothing).
+ */
+epx_status_t epx__host_ll_wait_timed(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                                     uint64_t target, const char *stage, epx__host_ll_slot_t *s,
+                                     int64_t start, int64_t *stats);
 
 /*
  * A receive's last step: hand `slot` back (flag `kind` = `seq`) to every rank the step

@@ -84,6 +84,7 @@ void epx__host_ll_destroy(epx__host_ll_t *ll)
     free(ll->cast_scales);
     free(ll->accumulator);
     free(ll->wait_flags);
+    free(ll->arrived_ns);
     free(ll);
 }
 
@@ -104,8 +105,10 @@ epx_status_t epx__host_ll_alloc(epx_buffer_t buffer, epx__host_ll_t **out)
         ll->cast_scales = malloc((hidden / EPX__FP8_BLOCK + 1) * sizeof(float));
         ll->accumulator = malloc(hidden * sizeof(float));
         ll->wait_flags = calloc(world, sizeof(uint64_t *));
+        ll->arrived_ns = calloc(world, sizeof(int64_t));
         failed = ll->mask == NULL || ll->send_counts == NULL || ll->cast_row == NULL ||
-                 ll->cast_scales == NULL || ll->accumulator == NULL || ll->wait_flags == NULL;
+                 ll->cast_scales == NULL || ll->accumulator == NULL || ll->wait_flags == NULL ||
+                 ll->arrived_ns == NULL;
         for (int b = 0; b < 2 && !failed; b++) {
             ll->slots[b].peers = calloc(world, 1);
             ll->slots[b].failed = calloc(world, 1);
@@ -137,8 +140,10 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
     return EPX_SUCCESS;
 }
 
-epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                               uint64_t target, const char *stage, epx__host_ll_slot_t *s)
+/* epx__host_ll_wait, with the arrival times in ll->arrived_ns when `timed`. */
+static epx_status_t host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                                 uint64_t target, const char *stage, epx__host_ll_slot_t *s,
+                                 int timed)
 {
     uint8_t *peers = s->peers;
     for (int r = 0; r < world; r++) {
@@ -146,7 +151,8 @@ epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind
         ll->wait_flags[r] = peers[r] ? epx__host_ll_flag(ll, rank, kind, slot, r) : NULL;
         s->failed[r] = 0;
     }
-    epx_status_t status = epx__shm_wait_flags(ll->shm, stage, ll->wait_flags, target, s->failed);
+    epx_status_t status = epx__shm_wait_flags(ll->shm, stage, ll->wait_flags, target, s->failed,
+                                              timed ? ll->arrived_ns : NULL);
     for (int r = 0; r < world; r++) {
         if (!s->failed[r])
             continue;
@@ -155,6 +161,28 @@ epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind
         ll->mask[r] = 1;
         EPX_WARN(EPX_SUBSYS_OPS, "low-latency: rank %d masked after a failed wait (%s)", r, stage);
     }
+    return status;
+}
+
+epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                               uint64_t target, const char *stage, epx__host_ll_slot_t *s)
+{
+    return host_ll_wait(ll, rank, world, kind, slot, target, stage, s, 0);
+}
+
+epx_status_t epx__host_ll_wait_timed(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                                     uint64_t target, const char *stage, epx__host_ll_slot_t *s,
+                                     int64_t start, int64_t *stats)
+{
+    if (stats != NULL && start == 0)
+        start = epx__now_ns();
+    epx_status_t status =
+        host_ll_wait(ll, rank, world, kind, slot, target, stage, s, stats != NULL);
+    if (stats == NULL)
+        return status;
+    for (int r = 0; r < world; r++)
+        if (s->peers[r] && ll->arrived_ns[r] >= 0)
+            stats[r] += ll->arrived_ns[r] - start;
     return status;
 }
 

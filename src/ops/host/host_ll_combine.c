@@ -5,10 +5,11 @@
  * then write each valid row of x (expert e, row i) into its token's home rank, at
  * combine staging [source token][top-k position of the row's first occurrence]; then
  * raise the combine flag at every unmasked home rank.
- * Receive: wait for the combine flags of the unmasked expert ranks, then for each token
- * out = bf16(sum over j of w_j * y_j) in fp32, one fmaf per entry, j in order (the GPU's
- * fused multiply-add, one rounding), skipping -1 and adding
- * nothing (and counting the entry) for experts on masked ranks; release the slot.
+ * Receive: wait for the combine flags of the unmasked expert ranks (timing each when
+ * wait_recv_cost_stats is given), then for each token out = bf16(sum over j of w_j * y_j)
+ * in fp32, one fmaf per entry, j in order (the GPU's fused multiply-add, one rounding),
+ * skipping -1 and adding nothing (and counting the entry) for experts on masked ranks;
+ * release the slot.
  */
 #include <math.h>
 #include <string.h>
@@ -31,6 +32,8 @@ epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_co
     s->topk_idx = args->topk_idx;
     s->topk_weights = args->topk_weights;
     s->out = args->out;
+    s->combine_wait_stats = args->wait_recv_cost_stats.data;
+    s->combine_wait_start = epx__host_ll_wait_start(s->combine_wait_stats, args->flags);
     for (int r = 0; r < world; r++)
         s->peers[r] = !ll->mask[r];
 
@@ -71,9 +74,9 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts, k = buffer->config.num_topk;
     int64_t hidden = buffer->config.hidden;
-    epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE, slot, s->combine_seq,
-                          "ll_combine (waiting for expert outputs)", s);
+    epx_status_t peer_status = epx__host_ll_wait_timed(
+        ll, me, world, EPX__LL_FLAG_COMBINE, slot, s->combine_seq,
+        "ll_combine (waiting for expert outputs)", s, s->combine_wait_start, s->combine_wait_stats);
 
     const uint16_t *stage = (const uint16_t *)(epx__host_ll_slot(ll, me, slot) + l->combine_stage);
     int64_t idx_stride = epx__tensor_row_stride(&s->topk_idx);

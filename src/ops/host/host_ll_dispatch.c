@@ -7,9 +7,9 @@
  * receiver's staging at [local expert][this rank][i], i counting up in token order;
  * then publish the counts and raise the arrival flag at every unmasked receiver (also
  * when nothing was sent, so the receiver's wait ends).
- * Receive: wait for the arrival flags of the unmasked sources, pack each expert's rows
- * source by source (so rows are ordered by source rank, then token), then release the
- * slot to each source.
+ * Receive: wait for the arrival flags of the unmasked sources (timing each when
+ * wait_recv_cost_stats is given), pack each expert's rows source by source (so rows are
+ * ordered by source rank, then token), then release the slot to each source.
  */
 #include <inttypes.h>
 #include <string.h>
@@ -55,6 +55,8 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
     s->use_fp8 = args->use_fp8;
     s->use_ue8m0 = args->use_ue8m0;
     s->recv_stats = args->cumulative_local_expert_recv_stats.data;
+    s->dispatch_wait_stats = args->wait_recv_cost_stats.data;
+    s->dispatch_wait_start = epx__host_ll_wait_start(s->dispatch_wait_stats, args->flags);
     s->masked_entries = 0;
     for (int r = 0; r < world; r++)
         s->peers[r] = !ll->mask[r];
@@ -122,9 +124,9 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts;
     int64_t hidden = buffer->config.hidden, m = l->max_tokens;
-    epx_status_t peer_status =
-        epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH, slot, s->dispatch_seq,
-                          "ll_dispatch (waiting for tokens)", s);
+    epx_status_t peer_status = epx__host_ll_wait_timed(
+        ll, me, world, EPX__LL_FLAG_DISPATCH, slot, s->dispatch_seq,
+        "ll_dispatch (waiting for tokens)", s, s->dispatch_wait_start, s->dispatch_wait_stats);
 
     char *base = epx__host_ll_slot(ll, me, slot);
     const int32_t *counts = (const int32_t *)(base + l->stage_count);

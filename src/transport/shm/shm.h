@@ -84,10 +84,14 @@ void epx__shm_flag_store(uint64_t *flag, uint64_t value);
  * == 0. A rank that published a failure, exited or did not answer within the group's
  * timeout gets failed[r] = 1 and is no longer waited for; the others still are. Returns
  * EPX_SUCCESS, or the first such failure (EPX_ERR_REMOTE / EPX_ERR_TIMEOUT) with a
- * message naming `stage` and the rank, once every other flag has arrived.
+ * message naming `stage` and the rank, once every other flag has arrived. Optional
+ * `arrived_ns` ([world], or NULL): the time (epx__now_ns) at which the wait first saw
+ * each flag at the target (its start for a flag already there), -1 for a rank not waited
+ * for or failed; the wait then looks at every flag each round (time the low-latency
+ * receives, wait_recv_cost_stats).
  */
 epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
-                                 uint64_t target, uint8_t *failed);
+                                 uint64_t target, uint8_t *failed, int64_t *arrived_ns);
 
 /*
  * Rejoin (shm_rejoin.c): collective over `ranks`, a new rendezvous of every rank of the

@@ -49,14 +49,39 @@ static epx_status_t epx__flag_peer_state(struct epx__shm *shm, int r, char *why,
     return EPX_SUCCESS;
 }
 
+/*
+ * arrived_ns[r] = now for each flag that reached the target since the last look (those
+ * still at -1, failed ones left out); the clock is read once, and only when one arrived.
+ */
+static void epx__flag_note_arrivals(uint64_t *const *flags, const uint8_t *failed, int world,
+                                    uint64_t target, int64_t *arrived_ns)
+{
+    int64_t now = -1;
+    for (int r = 0; r < world; r++) {
+        if (flags[r] == NULL || failed[r] || arrived_ns[r] >= 0 ||
+            epx__shm_flag_load(flags[r]) < target)
+            continue;
+        if (now < 0)
+            now = epx__now_ns();
+        arrived_ns[r] = now;
+    }
+}
+
 epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *const *flags,
-                                 uint64_t target, uint8_t *failed)
+                                 uint64_t target, uint8_t *failed, int64_t *arrived_ns)
 {
     int world = shm->world_size;
     int pending = 0;
     for (int r = 0; r < world; r++)
         if (flags[r] != NULL && epx__shm_flag_load(flags[r]) < target)
             pending++;
+    /* Arrivals are noted after the count: a flag the count saw arrive is noted too
+     * (flags only grow), so a wait that ends has a time for every flag it waited for. */
+    if (arrived_ns != NULL) {
+        for (int r = 0; r < world; r++)
+            arrived_ns[r] = -1;
+        epx__flag_note_arrivals(flags, failed, world, target, arrived_ns);
+    }
     if (pending == 0)
         return EPX_SUCCESS;
     epx_status_t first = EPX_SUCCESS;
@@ -68,6 +93,8 @@ epx_status_t epx__shm_wait_flags(epx__shm_t *shm, const char *stage, uint64_t *c
         for (int r = 0; r < world; r++)
             if (flags[r] != NULL && !failed[r] && epx__shm_flag_load(flags[r]) < target)
                 pending++;
+        if (arrived_ns != NULL)
+            epx__flag_note_arrivals(flags, failed, world, target, arrived_ns);
         if (pending == 0)
             break;
         if (round < EPX__FLAG_SPIN_ROUNDS) {
