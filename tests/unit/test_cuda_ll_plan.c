@@ -4,10 +4,12 @@
  * not overlapping and large enough (rows sized by low_latency_dtype, the puts' staging
  * only across nodes); both slots alike; what epx_buffer_size adds for it; the standard
  * case's size; the configs it refuses, each naming why. All of it for both generations
- * of kernels (EPX_LL_KERNELS=1 and 2; kernels 2 fall back to 1 above 32 top-k entries).
+ * of kernels (EPX_LL_KERNELS=1 and 2; kernels 2 fall back to 1 above 32 top-k entries),
+ * and that kernels 1 refuse wait_recv_cost_stats.
  */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "test_util.h"
 
@@ -175,6 +177,42 @@ static void check_refusals(void)
     CHECK_ERROR_MENTIONS("experts");
 }
 
+/*
+ * wait_recv_cost_stats are timed by kernels 2 only: the backend's ll_check_wait_stats,
+ * which the low-latency checks run before anything is sent, refuses them on a buffer
+ * that runs kernels 1 (EPX_LL_KERNELS=1, or more than 32 top-k entries), naming the
+ * operation and kernels 2. A buffer's state with only the plan in it: no GPU needed.
+ */
+static void check_wait_stats_kernels(void)
+{
+    struct epx_group g = cuda_plan_group(0, 2, 2);
+    const int topks[2] = {8, 40};
+    for (int i = 0; i < 2; i++) {
+        epx_buffer_config_t c = make_config(33, 1024, 64, topks[i]);
+        epx__cuda_ll_t ll;
+        memset(&ll, 0, sizeof(ll));
+        size_t sym = 0, local = 0;
+        CHECK_OK(epx__cuda_ll_plan(&g, &c, &ll.shape, &sym, &local));
+        epx__cuda_buffer_t cuda;
+        memset(&cuda, 0, sizeof(cuda));
+        cuda.ll = &ll;
+        struct epx_buffer buffer;
+        memset(&buffer, 0, sizeof(buffer));
+        buffer.impl = &cuda;
+        CHECK(epx__cuda_backend.ll_check_wait_stats != NULL);
+        epx_status_t status = epx__cuda_backend.ll_check_wait_stats(&buffer, "ll_combine");
+        if (kernels == 2 && topks[i] <= EPX_LL2_MAX_TOPK) {
+            CHECK_EQ_INT(ll.shape.kernels, 2);
+            CHECK_EQ_INT(status, EPX_SUCCESS);
+            continue;
+        }
+        CHECK_EQ_INT(ll.shape.kernels, 1);
+        CHECK_EQ_INT(status, EPX_ERR_UNSUPPORTED);
+        CHECK_ERROR_MENTIONS("ll_combine: wait_recv_cost_stats");
+        CHECK_ERROR_MENTIONS("kernels 2");
+    }
+}
+
 int main(void)
 {
     for (int which = 1; which <= 2; which++) {
@@ -188,6 +226,7 @@ int main(void)
         check_plan(2, 2, 33, 1024, 64, 40, EPX_DTYPE_BF16); /* more than 32 top-k entries */
         check_standard_case();
         check_refusals();
+        check_wait_stats_kernels();
     }
     unsetenv("EPX_LL_KERNELS");
     epx__params_reset();

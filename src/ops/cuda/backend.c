@@ -516,6 +516,7 @@ const epx__backend_ops_t epx__cuda_backend = {
     .ll_mask_rank = epx__cuda_ll_mask_rank,
     .ll_get_masked = epx__cuda_ll_get_masked,
     .ll_row_align = EPX__VECTOR_BYTES,
+    .ll_check_wait_stats = epx__cuda_ll_check_wait_stats,
     .fanout_copy = epx__cuda_fanout_copy,
     .fanin_reduce = epx__cuda_fanin_reduce,
     .ll_rejoin_check = cuda_ll_rejoin_check,

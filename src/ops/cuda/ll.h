@@ -16,6 +16,7 @@ typedef struct {
     int use_fp8, use_ue8m0;
     int64_t tokens;
     int32_t *recv_stats; /* the dispatch's cumulative_local_expert_recv_stats, or NULL */
+    int64_t *wait_stats; /* the dispatch's wait_recv_cost_stats, or NULL */
     epx_ll_op_t combine; /* what the combine's receive needs */
     /* Kernels 2: the send's launch also received (a call without EPX_LL_SEND_ONLY), so
      * the backend's receive entry has nothing left to launch. */
@@ -80,5 +81,7 @@ epx_status_t epx__cuda_ll_combine_receive(epx_buffer_t buffer, int slot,
 epx_status_t epx__cuda_ll_combine_buffer(epx_buffer_t buffer, int slot, void **base);
 epx_status_t epx__cuda_ll_mask_rank(epx_buffer_t buffer, int rank);
 void epx__cuda_ll_get_masked(epx_buffer_t buffer, int32_t *mask);
+/* The backend's ll_check_wait_stats: only kernels 2 time the receives' waits. */
+epx_status_t epx__cuda_ll_check_wait_stats(epx_buffer_t buffer, const char *op);
 
 #endif /* EPX_OPS_CUDA_LL_H */

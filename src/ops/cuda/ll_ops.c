@@ -55,10 +55,12 @@ epx_status_t epx__cuda_ll_dispatch(epx_buffer_t buffer, int slot, const epx_ll_d
     ll->slots[slot].use_ue8m0 = args->use_ue8m0;
     ll->slots[slot].tokens = op.tokens;
     ll->slots[slot].recv_stats = args->cumulative_local_expert_recv_stats.data;
+    ll->slots[slot].wait_stats = args->wait_recv_cost_stats.data;
     if (ll->shape.kernels == 2) {
         /* A whole call is one launch: the send, then block 0 receives. */
         int whole = !(args->flags & EPX_LL_SEND_ONLY);
         op.recv_stats = ll->slots[slot].recv_stats;
+        op.wait_stats = ll->slots[slot].wait_stats;
         ll->slots[slot].dispatch_received = whole;
         EPX_CHECK(launched(ll->plugin->dispatch2(&ll->shape, &op,
                                                  EPX_LL_RUN_SEND | (whole ? EPX_LL_RUN_RECV : 0),
@@ -81,6 +83,7 @@ epx_status_t epx__cuda_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     op.use_fp8 = ll->slots[slot].use_fp8;
     op.use_ue8m0 = ll->slots[slot].use_ue8m0;
     op.recv_stats = ll->slots[slot].recv_stats;
+    op.wait_stats = ll->slots[slot].wait_stats;
     if (ll->shape.kernels == 2) {
         if (ll->slots[slot].dispatch_received) {
             ll->slots[slot].dispatch_received = 0;
@@ -107,6 +110,7 @@ epx_status_t epx__cuda_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_co
     op->weight_stride = epx__tensor_row_stride(&args->topk_weights);
     op->out = args->out.data;
     op->out_stride = epx__tensor_row_stride(&args->out);
+    op->wait_stats = args->wait_recv_cost_stats.data; /* kept for the receive, like *op */
     if (ll->shape.kernels == 2) {
         int whole = !(args->flags & EPX_LL_SEND_ONLY);
         ll->slots[slot].combine_received = whole;
@@ -162,6 +166,20 @@ void epx__cuda_ll_get_masked(epx_buffer_t buffer, int32_t *mask)
         (void)cudaGetLastError();
         memset(mask, 0, (size_t)R * sizeof(int32_t));
     }
+}
+
+epx_status_t epx__cuda_ll_check_wait_stats(epx_buffer_t buffer, const char *op)
+{
+    if (ll_of(buffer)->shape.kernels == 2)
+        return EPX_SUCCESS;
+    /* Every rank runs the same kernels (one config, one EPX_LL_KERNELS), so every rank
+     * refuses alike and no peer is left waiting for a send. */
+    return EPX_ERROR(EPX_ERR_UNSUPPORTED,
+                     "%s: wait_recv_cost_stats is timed by the low-latency kernels 2 (the "
+                     "default, EPX_LL_KERNELS=2) only; this buffer runs kernels 1 "
+                     "(EPX_LL_KERNELS=1, or a config kernels 2 do not serve: num_topk above "
+                     "%d, or too many experts for their shared memory)",
+                     op, EPX_LL2_MAX_TOPK);
 }
 
 static const char *ll_stage_name(int stage)

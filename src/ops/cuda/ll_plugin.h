@@ -68,8 +68,9 @@ extern "C" {
 
 /* 9: the internode kernels take biases and routing by the layout (libepx no longer
  * refuses them across nodes, so an older plugin must not be loaded). 10: xn_tell.
- * 11: epx__cuda_combine_args_t grew (order_topk, order_stride). */
-#define EPX_LL_PLUGIN_ABI 11
+ * 11: epx__cuda_combine_args_t grew (order_topk, order_stride). 12: epx_ll_op_t grew
+ * (wait_stats). */
+#define EPX_LL_PLUGIN_ABI 12
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
@@ -191,6 +192,9 @@ typedef struct {
     int64_t out_stride;
     int use_fp8, round_scale, use_ue8m0;
     int32_t *recv_stats;    /* dispatch receive: [L] int32 += recv_count, or NULL */
+    /* Receive, kernels 2: [R] int64 += ns from the receive's start until each unmasked
+     * peer's data arrived (wait_recv_cost_stats), or NULL. */
+    int64_t *wait_stats;
 } epx_ll_op_t;
 
 /* The kernels (stream-ordered; each returns a cudaError_t as int). */

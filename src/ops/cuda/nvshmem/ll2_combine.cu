@@ -26,7 +26,9 @@
  *   default) loads a unit's rows (up to 8, 16 bytes a lane) into registers before it sums
  *   them; 1 streams units through a ring of `stages` cp.async stages of up to 8 rows x 16
  *   bytes per lane, several units' loads in flight while one is summed. The last block (a GPU-scope counter; the releases after
- *   it are cumulative) tells the expert ranks their slot is free.
+ *   it are cumulative) tells the expert ranks their slot is free. With
+ *   wait_recv_cost_stats, block 0 adds for each expert rank the time from the launch's
+ *   start until that rank's wait ended (every block waits for every rank; one counts).
  * A call without EPX_LL_SEND_ONLY runs both in one launch (block 0 sends first; the last
  * block of the receive advances the sequence number).
  * Bounds: shared memory epx_ll2_combine_smem (ll_plugin.h; above 48 KB, set by prepare).
@@ -384,9 +386,10 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
     }
 }
 
+/* `start`: the global timer at the launch's start (wait_recv_cost_stats). */
 template <int kLoads>
 __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
-                             int stages, int routed = 0, int give_back = 0)
+                             int stages, uint64_t start, int routed = 0, int give_back = 0)
 {
     extern __shared__ __align__(16) char smem[];
     __shared__ int last;
@@ -396,6 +399,8 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     const int64_t T = op.tokens, per = (T + gridDim.x - 1) / gridDim.x;
     const int64_t t0 = min(T, (int64_t)blockIdx.x * per), t1 = min(T, t0 + per);
     char *own = s.sym + s.slot[slot];
+    /* wait_recv_cost_stats: block 0 alone times the waits, so each rank counts once. */
+    const int timed = op.wait_stats != NULL && blockIdx.x == 0;
 
     if (!fused)
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
@@ -417,6 +422,9 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
                                        s.combine_arrived[slot * R + r] + (uint64_t)sent_rows[r], r,
                                        EPX_LL_STAGE_COMBINE);
         m.ok[r] = alive;
+        /* One thread a rank and one block in stream order: a plain add. */
+        if (timed && alive)
+            op.wait_stats[r] += (int64_t)(epx_globaltimer() - start);
     }
     __syncthreads();
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_READY);
@@ -486,7 +494,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
  */
 template <int kLoads>
 __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
-                                       int stages)
+                                       int stages, uint64_t start)
 {
     extern __shared__ __align__(16) char smem[];
     const int R = s.world, slot = op.slot;
@@ -511,7 +519,7 @@ __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_
                          (int)blockDim.x - 32, 1);
     }
     __syncthreads();
-    combine_recv<kLoads>(s, op, seq, 1, stages, 1, 1);
+    combine_recv<kLoads>(s, op, seq, 1, stages, start, 1, 1);
 }
 
 } // namespace
@@ -526,22 +534,25 @@ template <int kLoads>
 __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_ll_op_t op, int run,
                                                           int stages)
 {
+    /* wait_recv_cost_stats count from the start of the launch that receives (a call
+     * without EPX_LL_SEND_ONLY: the call's, as in the dispatch). */
+    const uint64_t start = op.wait_stats != NULL ? epx_globaltimer() : 0;
     if (run & EPX_LL_RUN_SEND) {
         /* Read by every block before it counts itself done in the receive. */
         const uint64_t seq = epx_ll_seq(s, op.slot, 1) + 1;
         const int fused = (run & EPX_LL_RUN_RECV) != 0;
         const int moves = combine_moves(s, op);
         if (fused && !moves && blockIdx.x == 0) {
-            combine_flags_and_recv<kLoads>(s, op, seq, stages);
+            combine_flags_and_recv<kLoads>(s, op, seq, stages, start);
             return;
         }
         combine_send(s, op, seq, fused);
         if (fused) {
             __syncthreads();
-            combine_recv<kLoads>(s, op, seq, 1, stages, 0, !moves);
+            combine_recv<kLoads>(s, op, seq, 1, stages, start, 0, !moves);
         }
     } else {
-        combine_recv<kLoads>(s, op, epx_ll_seq(s, op.slot, 1), 0, stages);
+        combine_recv<kLoads>(s, op, epx_ll_seq(s, op.slot, 1), 0, stages, start);
     }
 }
 } // namespace ll2

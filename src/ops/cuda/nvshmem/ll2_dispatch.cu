@@ -31,7 +31,9 @@
  * Receive (one block; in a call without EPX_LL_SEND_ONLY block 0 of the send runs it):
  *   read the counts of every source for this rank's experts (the tagged words), write
  *   recv_count, recv_layout_range, the source rank of every row and the recv stats, then
- *   wait until each source's arrival counter reaches what the source announced.
+ *   wait until each source's arrival counter reaches what the source announced. With
+ *   wait_recv_cost_stats a timing pass comes first: one thread a source waits for that
+ *   source's units word and rows and adds the time since the launch's start.
  * Bounds: shared memory epx_ll2_dispatch_smem (ll_plugin.h); num_topk <= EPX_LL2_MAX_TOPK.
  */
 #include <cuda_bf16.h>
@@ -502,10 +504,50 @@ struct recv_smem_t {
 };
 
 /*
- * The receive: counts of every source for this rank's experts, the bookkeeping, then the
- * arrival of every source's rows. Every thread of one block runs it.
+ * wait_recv_cost_stats (op.wait_stats): each thread takes sources src = threadIdx.x,
+ * + blockDim.x, ... and waits for each one's data as a whole (a put source's signal, its
+ * units word, then its arrival counter at those units), then adds the global timer's ns
+ * since `start` to wait_stats[src]: one thread a source and one block in stream order, so
+ * a plain add. Timing each source on its own is the point: the receive below reads every
+ * source's counts before it waits for any rows, so there a late source would hold every
+ * later wait up and look like all of them. The receive then finds everything there; a
+ * source that is masked, or that this pass masks (timeout), adds nothing and counts as
+ * failed below. Only with the stats: without, nothing waits before the counts.
  */
-__device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq)
+__device__ void time_sources(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
+                             uint64_t start)
+{
+    const int R = s.world, E = s.num_experts, slot = op.slot;
+    const uint32_t tag = (uint32_t)seq;
+    const char *sym = s.sym + s.slot[slot];
+    const uint64_t *table = reinterpret_cast<const uint64_t *>(sym + s.counts);
+    const uint64_t *arrival = reinterpret_cast<const uint64_t *>(sym + s.arrival);
+    for (int src = threadIdx.x; src < R; src += blockDim.x) {
+        if (*reinterpret_cast<volatile int32_t *>(s.mask + src))
+            continue;
+        /* As wait_put_counts: the words of a put source are whole after its signal. */
+        if (s.use_puts && s.peer[src] == NULL &&
+            !epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_DISPATCH, slot, src), seq, s.mask, R, src,
+                         s.fail, s.timeout_ns, EPX_LL_STAGE_DISPATCH_COUNTS))
+            continue;
+        const uint64_t *word = table + (size_t)src * (E + 1) + E; /* its units */
+        const int64_t units = epx_ll2_tag_value(s, word, epx_ll2_ld_relaxed_sys(word), tag, src,
+                                                EPX_LL_STAGE_DISPATCH_COUNTS);
+        if (units < 0)
+            continue;
+        const uint64_t target = s.arrived[slot * R + src] + (uint64_t)(uint32_t)units;
+        if (epx_ll2_wait_count(s, arrival + src, target, src, EPX_LL_STAGE_DISPATCH))
+            op.wait_stats[src] += (int64_t)(epx_globaltimer() - start);
+    }
+}
+
+/*
+ * The receive: counts of every source for this rank's experts, the bookkeeping, then the
+ * arrival of every source's rows. Every thread of one block runs it; `start`: the global
+ * timer at the launch's start (wait_recv_cost_stats).
+ */
+__device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
+                              uint64_t start)
 {
     extern __shared__ __align__(16) char smem[];
     const int R = s.world, L = s.num_local, E = s.num_experts, me = s.rank, slot = op.slot;
@@ -520,6 +562,8 @@ __device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
     char *out = s.local[slot];
     const uint64_t *table = reinterpret_cast<const uint64_t *>(sym + s.counts);
 
+    if (op.wait_stats != NULL) /* uniform in the block */
+        time_sources(s, op, seq, start);
     wait_put_counts(s, slot, seq, R);
     for (int src = threadIdx.x; src < R; src += blockDim.x)
         m.failed[src] = *reinterpret_cast<volatile int32_t *>(s.mask + src);
@@ -622,16 +666,20 @@ namespace epx {
 namespace ll2 {
 __global__ void __launch_bounds__(EPX_LL_THREADS) dispatch(epx_ll_shape_t s, epx_ll_op_t op, int run)
 {
+    /* wait_recv_cost_stats count from the start of the launch that receives: a call
+     * without EPX_LL_SEND_ONLY is one launch, whose send already waits for the lower
+     * ranks' counts (step 3), and that wait is theirs too. */
+    const uint64_t start = op.wait_stats != NULL ? epx_globaltimer() : 0;
     if (run & EPX_LL_RUN_SEND) {
         /* Read by every block before it counts itself done; the last block advances it. */
         const uint64_t seq = epx_ll_seq(s, op.slot, 0) + 1;
         dispatch_send(s, op, seq);
         if ((run & EPX_LL_RUN_RECV) && blockIdx.x == 0) {
             __syncthreads();
-            dispatch_recv(s, op, seq);
+            dispatch_recv(s, op, seq, start);
         }
     } else {
-        dispatch_recv(s, op, epx_ll_seq(s, op.slot, 0));
+        dispatch_recv(s, op, epx_ll_seq(s, op.slot, 0), start);
     }
 }
 } // namespace ll2
