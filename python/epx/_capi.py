@@ -234,6 +234,7 @@ class LLDispatchArgs(Structure):
         ("use_ue8m0", c_int),
         ("flags", c_uint32),
         ("cumulative_local_expert_recv_stats", Tensor),
+        ("wait_recv_cost_stats", Tensor),
     ]
 
 
@@ -261,6 +262,7 @@ class LLCombineArgs(Structure):
         ("topk_weights", Tensor),
         ("out", Tensor),
         ("flags", c_uint32),
+        ("wait_recv_cost_stats", Tensor),
     ]
 
 

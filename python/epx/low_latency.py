@@ -12,9 +12,6 @@ from . import _capi, _frameworks, _tensor, errors
 from .errors import check, invalid_argument
 from .group import Group
 
-_NOT_IMPLEMENTED_STATS = ("%s: %s is not supported by epx (the counts are in recv_count; "
-                          "wait times are not measured)")
-
 
 class LowLatencyHandle(tuple):
     """The identity of one low-latency step (epx_ll_handle_t), from low_latency_dispatch.
@@ -87,17 +84,18 @@ class LowLatencyMixin:
             return None
         return handle
 
-    def _ll_check_jax(self, call, return_recv_hook, out=None):
+    def _ll_check_jax(self, call, return_recv_hook, written):
         """JAX arrays are immutable and JAX outputs are copies made when the call returns
         (_frameworks.JaxFramework): a receive hook cannot fill them in later, and epx must
-        not write into a caller's JAX array."""
+        not write into a caller's JAX array. `written`: (name, tensor or None) of the
+        arguments epx writes into."""
         if return_recv_hook and call.framework is not None and call.framework.name == "jax":
             call.fail("return_recv_hook=True cannot be used with JAX arrays: JAX outputs are "
                       "copies made when the call returns, before hook() receives the data")
-        if out is not None and _frameworks.of(out).name == "jax":
-            call.fail("%s cannot be a JAX array: JAX arrays are immutable, and epx writes it"
-                      % ("out" if call.op == "low_latency_combine"
-                         else "cumulative_local_expert_recv_stats"))
+        for name, tensor in written:
+            if tensor is not None and _frameworks.of(tensor).name == "jax":
+                call.fail("%s cannot be a JAX array: JAX arrays are immutable, and epx writes "
+                          "it" % name)
 
     def _ll_hook(self, handle, stream, what, keepalive, after=None):
         """The receive hook of one SEND_ONLY operation: calls epx_ll_receive.
@@ -142,7 +140,11 @@ class LowLatencyMixin:
             buffer's (None = the buffer's).
         cumulative_local_expert_recv_stats: [L] int32 (optional), recv_count is added to
             it by the receive (after hook() with return_recv_hook).
-        dispatch_wait_recv_cost_stats: not supported (must be None).
+        dispatch_wait_recv_cost_stats: [num_ranks] int64 (optional): for each source rank,
+            the receive adds the nanoseconds from its start until that rank's tokens had
+            arrived (DeepEP counts SM clock cycles), so a slow rank shows as the largest
+            entry; masked ranks add nothing. CUDA: low-latency kernels 2 only (the
+            default; kernels 1 raise ERR_UNSUPPORTED).
         use_fp8: cast to fp8 e4m3 with one fp32 scale per 128 channels; round_scale:
             power-of-two scales; use_ue8m0: scales as exponent bytes, four per int32.
         async_finish: return an EventOverlap recorded after the operation.
@@ -161,10 +163,11 @@ class LowLatencyMixin:
         self._ll_check_shape(call, num_max_dispatch_tokens_per_rank, num_experts)
         stats_arg = call.tensor(cumulative_local_expert_recv_stats,
                                 "cumulative_local_expert_recv_stats")
-        self._ll_check_jax(call, return_recv_hook, cumulative_local_expert_recv_stats)
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError(_NOT_IMPLEMENTED_STATS
-                                      % (call.op, "dispatch_wait_recv_cost_stats"))
+        wait_arg = call.tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats")
+        self._ll_check_jax(call, return_recv_hook,
+                           (("cumulative_local_expert_recv_stats",
+                             cumulative_local_expert_recv_stats),
+                            ("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats)))
         if call.problems:
             # Low-latency argument errors do not poison the buffer (epx.h): raise here;
             # the peers' call ends in a timeout that names this rank.
@@ -179,6 +182,8 @@ class LowLatencyMixin:
         args.flags = _capi.LL_SEND_ONLY if return_recv_hook else 0
         if stats_arg is not None:
             args.cumulative_local_expert_recv_stats = stats_arg.c_tensor()
+        if wait_arg is not None:
+            args.wait_recv_cost_stats = wait_arg.c_tensor()
         result = _capi.new(_capi.LLDispatchResult)
         status = _capi.api().epx_ll_dispatch(self.pointer, ctypes.byref(args),
                                              ctypes.byref(result), call.stream)
@@ -194,10 +199,12 @@ class LowLatencyMixin:
         value = _capi.LLHandle.from_buffer_copy(result.handle)
         handle = LowLatencyHandle(self, value, src_info, layout_range, x_arg.shape[0],
                                   int(result.num_masked_entries), call.framework, raw)
-        hook = (self._ll_hook(handle, call.stream, "dispatch", (x_arg, idx_arg, stats_arg))
+        hook = (self._ll_hook(handle, call.stream, "dispatch",
+                              (x_arg, idx_arg, stats_arg, wait_arg))
                 if return_recv_hook else None)
         event = self._end(call, async_finish, (x, topk_idx, recv_x, recv_scales, recv_count,
-                                               cumulative_local_expert_recv_stats))
+                                               cumulative_local_expert_recv_stats,
+                                               dispatch_wait_recv_cost_stats))
         recv_x_out = (recv_x, recv_scales) if use_fp8 else recv_x
         out = (recv_x_out, recv_count, handle, event, hook)
         if status != 0:  # a peer was lost and masked; the step completed without it
@@ -234,9 +241,12 @@ class LowLatencyMixin:
             step's dispatch. handle: from that dispatch (received).
         zero_copy: x was written into get_next_low_latency_combine_buffer(handle); that
             memory is sent and x itself is not read.
-        use_logfmt, combine_wait_recv_cost_stats: not supported.
+        use_logfmt: not supported.
         return_recv_hook: only send; `hook()` receives and writes the output.
         out: [num_tokens, hidden] bf16 to write into (default: a new tensor).
+        combine_wait_recv_cost_stats: [num_ranks] int64 (optional): for each expert rank,
+            the receive adds the nanoseconds from its start until that rank's outputs
+            had arrived (as dispatch_wait_recv_cost_stats).
 
         Returns (combined_x, event, hook); out[t] = bf16(sum over j of w[t, j] *
         y(t, idx[t, j])) in fp32 and j order, each entry added with one fused
@@ -245,16 +255,16 @@ class LowLatencyMixin:
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt is not supported by "
                                       "epx (combine sends bf16)")
-        if combine_wait_recv_cost_stats is not None:
-            raise NotImplementedError(_NOT_IMPLEMENTED_STATS
-                                      % ("low_latency_combine", "combine_wait_recv_cost_stats"))
         call = self._ll_call("low_latency_combine", x)
         handle = self._ll_check_handle(call, handle)
         x_arg = None if zero_copy else call.tensor(x, "x", required=True)
         idx_arg = call.tensor(topk_idx, "topk_idx", required=True)
         weights_arg = call.tensor(topk_weights, "topk_weights", required=True)
         out_arg = call.tensor(out, "out")
-        self._ll_check_jax(call, return_recv_hook, out)
+        wait_arg = call.tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats")
+        self._ll_check_jax(call, return_recv_hook,
+                           (("out", out),
+                            ("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats)))
         if call.problems:
             raise call.problems[0]
 
@@ -274,6 +284,8 @@ class LowLatencyMixin:
             out_arg = _tensor.resolve(out, "out", call.stream, _capi.DTYPE_BF16)
         args.out = out_arg.c_tensor()
         args.flags = _capi.LL_SEND_ONLY if return_recv_hook else 0
+        if wait_arg is not None:
+            args.wait_recv_cost_stats = wait_arg.c_tensor()
         result = _capi.new(_capi.LLCombineResult)
         status = _capi.api().epx_ll_combine(self.pointer, ctypes.byref(args),
                                             ctypes.byref(result), call.stream)
@@ -286,9 +298,11 @@ class LowLatencyMixin:
             self.last_combine_masked_entries = int(result.num_masked_entries)
 
         hook = (self._ll_hook(handle, call.stream, "combine",
-                              (x_arg, idx_arg, weights_arg, out_arg, out, result), received)
+                              (x_arg, idx_arg, weights_arg, out_arg, out, result, wait_arg),
+                              received)
                 if return_recv_hook else None)
-        event = self._end(call, async_finish, (x, topk_idx, topk_weights, out))
+        event = self._end(call, async_finish, (x, topk_idx, topk_weights, out,
+                                               combine_wait_recv_cost_stats))
         if status != 0:  # a peer was lost and masked; the step completed without it
             raise errors.peer_lost_error(status, "ll_combine", (out, event, hook))
         return out, event, hook

@@ -444,6 +444,12 @@ def test_shrink_buffer_made_early_then_another_shape(group, tensors1):
     buffer.destroy()
 
 
+def assert_waits_added(got, base):
+    """wait_recv_cost_stats that started at `base`: every entry had a time >= 0 added
+    (none written over), and the receives took some time."""
+    assert got.dtype == np.int64 and np.all(got >= base) and np.any(got > base), got - base
+
+
 @pytest.mark.parametrize("use_fp8", [False, True])
 @pytest.mark.parametrize("return_recv_hook", [False, True])
 @pytest.mark.parametrize("shrink", [False, True])
@@ -464,12 +470,18 @@ def test_low_latency(group, tensors1, use_fp8, return_recv_hook, shrink):
                            num_topk=case.num_topk)
     x, idx, w = case.inputs(group.rank)
     stats = tensors.put(np.zeros(case.experts_per_rank, dtype=np.int32))
+    # The wait times (ns) pass through to epx: they grow from 10 s (test_low_latency.py
+    # checks their values).
+    wait_base = 10 ** 10 + np.arange(group.world_size, dtype=np.int64)
+    dispatch_waits = tensors.put(wait_base.copy())
     for _ in range(2):  # twice: the statistics accumulate
         recv, recv_count, handle, event, hook = buffer.low_latency_dispatch(
             tensors.put(x), tensors.put(idx), m, case.num_experts,
-            cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            cumulative_local_expert_recv_stats=stats,
+            dispatch_wait_recv_cost_stats=dispatch_waits, use_fp8=use_fp8,
             async_finish=not return_recv_hook, return_recv_hook=return_recv_hook)
         hook() if return_recv_hook else event.current_stream_wait()
+    assert_waits_added(tensors.get(dispatch_waits), wait_base)
     want, want_count, want_handle, _, _ = reference.low_latency_dispatch(
         tensors.put(x), tensors.put(idx), m, case.num_experts, use_fp8=use_fp8)
     np.testing.assert_array_equal(tensors.get(recv_count), tensors.get(want_count))
@@ -501,12 +513,15 @@ def test_low_latency(group, tensors1, use_fp8, return_recv_hook, shrink):
     else:
         zero_copy[...] = y
     out = tensors.put(np.empty((x.shape[0], case.hidden), dtype=BF16))
+    combine_waits = tensors.put(wait_base.copy())
     combined, event, hook = buffer.low_latency_combine(
         tensors.put(y), tensors.put(idx), tensors.put(w), handle, zero_copy=True,
-        async_finish=not return_recv_hook, return_recv_hook=return_recv_hook, out=out)
+        async_finish=not return_recv_hook, return_recv_hook=return_recv_hook, out=out,
+        combine_wait_recv_cost_stats=combine_waits)
     hook() if return_recv_hook else event.current_stream_wait()
     want_x, _ = case.combine(group.rank)
     assert_bf16_equal(tensors.get(combined), want_x, group.backend)
+    assert_waits_added(tensors.get(combine_waits), wait_base)
     # use_logfmt: the same exact bf16 combine, with a warning (once per process).
     import epx.deep_ep.low_latency as ll_methods
     ll_methods._LOGFMT_WARNED.clear()
@@ -514,9 +529,6 @@ def test_low_latency(group, tensors1, use_fp8, return_recv_hook, shrink):
         logfmt, _, _ = buffer.low_latency_combine(tensors.put(y), tensors.put(idx),
                                                   tensors.put(w), handle, use_logfmt=True)
     assert_bf16_equal(tensors.get(logfmt), want_x, group.backend)
-    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
-        buffer.low_latency_dispatch(tensors.put(x), tensors.put(idx), m, case.num_experts,
-                                    dispatch_wait_recv_cost_stats=stats)
     buffer.clean_low_latency_buffer(m, case.hidden, case.num_experts)
     mask = np.zeros(group.world_size, dtype=np.int32)
     buffer.low_latency_query_mask_buffer(mask)

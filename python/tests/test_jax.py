@@ -419,3 +419,23 @@ def test_low_latency_combine_out(host_group, ll_buffer):
         return
     assert not np.any(J.get(out).astype(F32)), "the caller's JAX array was written"
     np.testing.assert_array_equal(bits(J.get(combined)), bits(case.combine(rank)[0]))
+
+
+# The wait-time stats are written by the receive, so a JAX array (immutable) is refused
+# for them, on every rank alike before anything is sent; the buffer stays usable.
+def test_low_latency_wait_stats_refused(host_group, ll_buffer):
+    rank = host_group.rank
+    case = LowLatencyCase(host_group.world_size, seed=297)
+    buffer = ll_buffer(case)
+    stats = jnp.zeros(host_group.world_size, jnp.int64)
+    with pytest.raises(epx.EpxError, match="JAX arrays are immutable") as error:
+        ll_step(buffer, J, case, rank, use_fp8=False, dispatch_wait_recv_cost_stats=stats)
+    assert error.value.status == Status.ERR_INVALID_ARG
+    assert "dispatch_wait_recv_cost_stats" in error.value.message
+    _, recv_count, handle, _, _ = ll_step(buffer, J, case, rank, use_fp8=False)
+    rows = check_layout(J, case, rank, recv_count, handle)
+    _, idx, weights = case.inputs(rank)
+    with pytest.raises(epx.EpxError, match="JAX arrays are immutable") as error:
+        buffer.low_latency_combine(J.put(expert_outputs(case, rank, rows)), J.put(idx),
+                                   J.put(weights), handle, combine_wait_recv_cost_stats=stats)
+    assert "combine_wait_recv_cost_stats" in error.value.message

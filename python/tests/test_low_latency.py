@@ -10,6 +10,7 @@ the masked-entry counts are -1 there (the GPU does not sync with the host to cou
 
 import ctypes
 import ctypes.util
+import time
 
 import numpy as np
 import pytest
@@ -393,6 +394,92 @@ def test_mask_rank(group, tensors1, ll_buffer):
     assert_masked_count(group, buffer.last_combine_masked_entries,
                         case.combine(group.rank, masked)[1])
     assert buffer.get_masked_ranks() == [victim]  # no wait gave up on another rank
+
+
+# ---------------------------------------------------------------- wait times
+
+WAIT_BASE = 10 ** 10  # 10 s: the entries start here, so a receive that overwrote would show
+
+
+def check_waits(what, before, after, late, rank):
+    """One operation's wait_recv_cost_stats: each entry grew by a time >= 0; when rank
+    `late` (or None) started 0.3 s late, every other rank added more than 0.2 s for it,
+    and for every other rank at least 0.1 s less (each rank timed on its own)."""
+    added = after.astype(np.int64) - before
+    assert after.dtype == np.int64 and np.all(added >= 0), (what, before, after)
+    if late is None or rank == late:
+        return
+    assert added[late] > 200_000_000, (what, added)
+    others = np.delete(added, late)
+    assert np.all(others <= added[late] - 100_000_000), (what, added)
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["blocking", "recv_hook"])
+def test_wait_recv_cost_stats(group, tensors1, ll_buffer, hooks):
+    """dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats ([num_ranks] int64):
+    each receive adds, for each rank, the nanoseconds it waited for that rank's data, so
+    the entries accumulate across calls, and a rank that starts 0.3 s late is the largest
+    entry on every other rank. Step 0 is on time; the last rank sleeps before its dispatch
+    of step 1 and before its combine of step 2. The last rank, because on the GPU a
+    dispatch's send waits for the lower ranks' counts, which a receive hook does not time
+    (docs/LOW_LATENCY.md). The results stay the model's."""
+    case = LowLatencyCase(group.world_size, seed=31)
+    buffer = ll_buffer(case)
+    world, rank = group.world_size, group.rank
+    late = world - 1 if world > 1 else None
+    base = WAIT_BASE + np.arange(world, dtype=np.int64)
+    dispatch_stats, combine_stats = tensors1.put(base.copy()), tensors1.put(base.copy())
+    for step in range(3):
+        before = tensors1.get(dispatch_stats).copy()
+        if step == 1 and rank == late:
+            time.sleep(0.3)
+        recv_x, recv_count, handle, _, hook = dispatch(
+            buffer, tensors1, case, rank, dispatch_wait_recv_cost_stats=dispatch_stats,
+            return_recv_hook=hooks)
+        if hooks:
+            hook()
+        rows = check_layout(tensors1, case, rank, recv_count, handle)
+        check_bf16_rows(tensors1, case, recv_x, rows)
+        check_waits("dispatch %d" % step, before, tensors1.get(dispatch_stats),
+                    late if step == 1 else None, rank)
+
+        y = expert_outputs(case, rank, tensors1.get(recv_x), tensors1.get(recv_count))
+        before = tensors1.get(combine_stats).copy()
+        if step == 2 and rank == late:
+            time.sleep(0.3)
+        combined, _, hook = combine(buffer, tensors1, case, rank, y, handle,
+                                    combine_wait_recv_cost_stats=combine_stats,
+                                    return_recv_hook=hooks)
+        if hooks:
+            hook()
+        check_combined(tensors1, case, rank, combined)
+        check_waits("combine %d" % step, before, tensors1.get(combine_stats),
+                    late if step == 2 else None, rank)
+
+
+def test_wait_recv_cost_stats_refused(group, tensors1, ll_buffer):
+    """A stats tensor of the wrong dtype or length is refused on every rank alike, naming
+    it, before anything is sent: the buffer stays usable and the tensor untouched."""
+    case = LowLatencyCase(group.world_size, seed=37)
+    buffer = ll_buffer(case)
+    world = group.world_size
+    for name, wrong in (("int32", np.zeros(world, np.int32)),
+                        ("length", np.zeros(world + 1, np.int64))):
+        with pytest.raises(epx.EpxError) as error:
+            dispatch(buffer, tensors1, case, group.rank,
+                     dispatch_wait_recv_cost_stats=tensors1.put(wrong))
+        assert error.value.status == Status.ERR_INVALID_ARG, name
+        assert "wait_recv_cost_stats" in error.value.message, name
+    recv_x, recv_count, handle, _, _ = dispatch(buffer, tensors1, case, group.rank)
+    check_layout(tensors1, case, group.rank, recv_count, handle)
+    y = expert_outputs(case, group.rank, tensors1.get(recv_x), tensors1.get(recv_count))
+    with pytest.raises(epx.EpxError) as error:
+        combine(buffer, tensors1, case, group.rank, y, handle,
+                combine_wait_recv_cost_stats=tensors1.put(np.zeros(world, np.int32)))
+    assert error.value.status == Status.ERR_INVALID_ARG
+    assert "wait_recv_cost_stats" in error.value.message
+    combined, _, _ = combine(buffer, tensors1, case, group.rank, y, handle)
+    check_combined(tensors1, case, group.rank, combined)
 
 
 # ---------------------------------------------------------------- misuse

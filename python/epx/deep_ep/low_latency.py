@@ -138,10 +138,9 @@ class LowLatencyMethods:
                              use_ue8m0=False, async_finish=False, return_recv_hook=False):
         """DeepEP's low_latency_dispatch: (recv_x or (recv_x, scales), recv_count, handle,
         event, hook). cumulative_local_expert_recv_stats ([L] int32) gets recv_count added
-        (after hook() with return_recv_hook)."""
-        if dispatch_wait_recv_cost_stats is not None:
-            raise NotImplementedError("low_latency_dispatch: dispatch_wait_recv_cost_stats is not "
-                                      "supported by epx (receive wait times are not measured)")
+        (after hook() with return_recv_hook); dispatch_wait_recv_cost_stats ([num_ranks]
+        int64) gets, for each source rank, the nanoseconds the receive waited for it
+        (DeepEP: SM clock cycles; epx.Buffer.low_latency_dispatch)."""
         shape = (int(num_max_dispatch_tokens_per_rank), int(x.shape[1]), int(num_experts))
         topk_idx, _, num_topk = self._pad_topk(shape, topk_idx)
         buffer = self._low_latency_buffer(shape[0], shape[1], shape[2], num_topk)
@@ -152,13 +151,15 @@ class LowLatencyMethods:
                 self._ll_empty = (key, _empty_like(x, key[3]), _empty_like(topk_idx, key[4]))
         return self._shrink_tolerant(4, lambda: buffer.low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats, None, use_fp8, round_scale, use_ue8m0,
-            async_finish, return_recv_hook))
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook))
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False,
                             zero_copy=False, async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
-        """DeepEP's low_latency_combine: (combined_x, event, hook).
+        """DeepEP's low_latency_combine: (combined_x, event, hook). combine_wait_recv_cost_stats
+        ([num_ranks] int64) gets, for each expert rank, the nanoseconds the receive waited
+        for it (DeepEP: SM clock cycles).
 
         use_logfmt (DeepEP's lossy 10-bit combine format, to send fewer bytes): epx sends
         the bf16 rows and sums them exactly as without it (with zero_copy too, which
