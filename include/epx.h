@@ -601,7 +601,9 @@ typedef struct {
      * receive (for a call without EPX_LL_SEND_ONLY: of the call, whose send and receive
      * are one) until s's data (its counts and rows) had arrived, timed with the GPU's
      * global timer (CPU backend: CLOCK_MONOTONIC), in stream order; so a slow rank stands
-     * out as the largest entry on the others. Masked ranks, and a rank whose wait fails,
+     * out as the largest entry on the others (on the GPU a dispatch's send waits for the
+     * lower ranks' counts, so a late rank also delays the ranks above it: see "Wait
+     * times" in docs/LOW_LATENCY.md). Masked ranks, and a rank whose wait fails,
      * add nothing. Nanoseconds, where DeepEP counts SM clock cycles (and adds once per
      * local expert and source; docs/LOW_LATENCY.md). GPU: kernels 2 only (the default);
      * a buffer on kernels 1 refuses it with EPX_ERR_UNSUPPORTED, before anything is sent.

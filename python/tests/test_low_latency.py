@@ -403,22 +403,22 @@ WAIT_BASE = 10 ** 10  # 10 s: the entries start here, so a receive that overwrot
 
 def check_waits(what, before, after, late, rank):
     """One operation's wait_recv_cost_stats: each entry grew by a time >= 0; when rank
-    `late` (or None) started 0.3 s late, every other rank added more than 0.2 s for it,
-    and for every other rank at least 0.1 s less (each rank timed on its own)."""
+    `late` (or None) started 0.5 s late, every other rank added more than 0.3 s for it,
+    and for every other rank at least 0.2 s less (each rank timed on its own)."""
     added = after.astype(np.int64) - before
     assert after.dtype == np.int64 and np.all(added >= 0), (what, before, after)
     if late is None or rank == late:
         return
-    assert added[late] > 200_000_000, (what, added)
+    assert added[late] > 300_000_000, (what, added)
     others = np.delete(added, late)
-    assert np.all(others <= added[late] - 100_000_000), (what, added)
+    assert np.all(others <= added[late] - 200_000_000), (what, added)
 
 
 @pytest.mark.parametrize("hooks", [False, True], ids=["blocking", "recv_hook"])
 def test_wait_recv_cost_stats(group, tensors1, ll_buffer, hooks):
     """dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats ([num_ranks] int64):
     each receive adds, for each rank, the nanoseconds it waited for that rank's data, so
-    the entries accumulate across calls, and a rank that starts 0.3 s late is the largest
+    the entries accumulate across calls, and a rank that starts 0.5 s late is the largest
     entry on every other rank. Step 0 is on time; the last rank sleeps before its dispatch
     of step 1 and before its combine of step 2. The last rank, because on the GPU a
     dispatch's send waits for the lower ranks' counts, which a receive hook does not time
@@ -430,9 +430,10 @@ def test_wait_recv_cost_stats(group, tensors1, ll_buffer, hooks):
     base = WAIT_BASE + np.arange(world, dtype=np.int64)
     dispatch_stats, combine_stats = tensors1.put(base.copy()), tensors1.put(base.copy())
     for step in range(3):
+        group.barrier()  # on a loaded machine the ranks drift apart
         before = tensors1.get(dispatch_stats).copy()
         if step == 1 and rank == late:
-            time.sleep(0.3)
+            time.sleep(0.5)
         recv_x, recv_count, handle, _, hook = dispatch(
             buffer, tensors1, case, rank, dispatch_wait_recv_cost_stats=dispatch_stats,
             return_recv_hook=hooks)
@@ -444,9 +445,10 @@ def test_wait_recv_cost_stats(group, tensors1, ll_buffer, hooks):
                     late if step == 1 else None, rank)
 
         y = expert_outputs(case, rank, tensors1.get(recv_x), tensors1.get(recv_count))
+        group.barrier()
         before = tensors1.get(combine_stats).copy()
         if step == 2 and rank == late:
-            time.sleep(0.3)
+            time.sleep(0.5)
         combined, _, hook = combine(buffer, tensors1, case, rank, y, handle,
                                     combine_wait_recv_cost_stats=combine_stats,
                                     return_recv_hook=hooks)

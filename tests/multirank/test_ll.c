@@ -661,6 +661,11 @@ static void run_misuse(void)
 /* What the wait-time tests start every entry at: 10 s + rank, so that a backend that
  * wrote its times instead of adding them would be caught. */
 #define WAIT_STATS_BASE 10000000000ll
+/* How late the late rank starts a timed operation, and the margins checked: the ranks
+ * leave a barrier together first, so the others wait about this long for it. */
+#define WAIT_STATS_LATE_US 500000
+#define WAIT_STATS_MIN_NS 300000000ll /* what the late rank's entry must grow by */
+#define WAIT_STATS_GAP_NS 200000000ll /* and by how much more than every other entry */
 /* Set when this buffer's backend refuses wait_recv_cost_stats (a GPU on kernels 1). */
 static int wait_stats_refused;
 
@@ -676,8 +681,8 @@ static void *wait_stats_alloc(void)
 
 /*
  * One operation's wait_recv_cost_stats, before and after it: every entry added a time
- * >= 0 (never fell), and when rank `late` (or -1) started 0.3 s late, every other rank
- * added more than 0.2 s for it, and for every other rank at least 0.1 s less (each rank
+ * >= 0 (never fell), and when rank `late` (or -1) started 0.5 s late, every other rank
+ * added more than 0.3 s for it, and for every other rank at least 0.2 s less (each rank
  * timed on its own: not the end of a wait for all of them).
  */
 static void check_wait_stats(const char *what, const int64_t *before, const int64_t *after,
@@ -691,13 +696,13 @@ static void check_wait_stats(const char *what, const int64_t *before, const int6
     if (late < 0 || late == info.rank)
         return;
     int64_t waited = after[late] - before[late];
-    if (waited <= 200000000)
-        TEST_FAIL("rank %d: %s: rank %d started 0.3 s late, but wait_recv_cost_stats[%d] "
+    if (waited <= WAIT_STATS_MIN_NS)
+        TEST_FAIL("rank %d: %s: rank %d started 0.5 s late, but wait_recv_cost_stats[%d] "
                   "grew by %lld ns only",
                   info.rank, what, late, late, (long long)waited);
     for (int r = 0; r < info.world_size; r++)
-        if (r != late && after[r] - before[r] > waited - 100000000)
-            TEST_FAIL("rank %d: %s: wait_recv_cost_stats[%d] grew by %lld ns, not 0.1 s less "
+        if (r != late && after[r] - before[r] > waited - WAIT_STATS_GAP_NS)
+            TEST_FAIL("rank %d: %s: wait_recv_cost_stats[%d] grew by %lld ns, not 0.2 s less "
                       "than the late rank %d's %lld ns",
                       info.rank, what, r, (long long)(after[r] - before[r]), late,
                       (long long)waited);
@@ -706,9 +711,9 @@ static void check_wait_stats(const char *what, const int64_t *before, const int6
 /*
  * wait_recv_cost_stats of dispatch and combine: each receive adds, per rank, the time it
  * waited for that rank, so a rank that starts late shows as the largest entry on every
- * other rank. Step 0 is on time; the last rank sleeps 0.3 s before its dispatch (step
- * 1), before its combine (step 2), and before both of step 3, which runs with
- * EPX_LL_SEND_ONLY + receive (the slot keeps the tensors for the receive). The last
+ * other rank. Step 0 is on time; after a barrier (the ranks start together), the last
+ * rank sleeps 0.5 s before its dispatch (step 1), before its combine (step 2), and before
+ * both of step 3, which runs with EPX_LL_SEND_ONLY + receive (the slot keeps the tensors for the receive). The last
  * rank, because on the GPU a dispatch's send waits for the lower ranks' counts: a lower
  * late rank would be waited for in the send, which a split step does not time. The
  * results stay the oracle's. Also: a strided tensor is refused (one entry needs no
@@ -741,9 +746,10 @@ static void run_wait_stats(void)
             CHECK_STATUS(epx_ll_dispatch(buffer, &args, &result, NULL), EPX_ERR_INVALID_ARG);
             CHECK_ERROR_MENTIONS("wait_recv_cost_stats must be contiguous");
         }
+        CHECK_OK(epx_group_barrier(group)); /* on a loaded machine the ranks drift apart */
         mr_mem_to_host(before, dispatch_wait_stats, bytes);
         if (late_dispatch && info.rank == late)
-            usleep(300000);
+            usleep(WAIT_STATS_LATE_US);
         epx_status_t status = step_dispatch(buffer, &s, flags);
         if (status == EPX_ERR_UNSUPPORTED && step == 0 && info.backend == EPX_BACKEND_CUDA) {
             CHECK_ERROR_MENTIONS("kernels 2");
@@ -762,9 +768,10 @@ static void run_wait_stats(void)
         check_wait_stats("dispatch", before, after, late_dispatch ? late : -1);
 
         void *x = alloc_expert_outputs(&s);
+        CHECK_OK(epx_group_barrier(group));
         mr_mem_to_host(before, combine_wait_stats, bytes);
         if (late_combine && info.rank == late)
-            usleep(300000);
+            usleep(WAIT_STATS_LATE_US);
         epx_ll_combine_result_t result = EPX_LL_COMBINE_RESULT_INIT;
         CHECK_OK(step_combine(buffer, &s, x, flags, &result));
         if (flags)
