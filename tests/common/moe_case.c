@@ -25,7 +25,7 @@ enum {
 
 /* ---------------------------------------------------------------- random numbers */
 
-static uint64_t splitmix64(uint64_t z)
+uint64_t moe_splitmix64(uint64_t z)
 {
     z += 0x9e3779b97f4a7c15ull;
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -39,15 +39,15 @@ static uint64_t splitmix64(uint64_t z)
  */
 static uint64_t random_row_key(uint64_t seed, uint64_t rank, uint64_t stream, uint64_t a)
 {
-    uint64_t h = splitmix64(seed);
-    h = splitmix64(h ^ rank);
-    h = splitmix64(h ^ (stream << 32));
-    return splitmix64(h ^ a);
+    uint64_t h = moe_splitmix64(seed);
+    h = moe_splitmix64(h ^ rank);
+    h = moe_splitmix64(h ^ (stream << 32));
+    return moe_splitmix64(h ^ a);
 }
 
 static uint64_t random_word_in_row(uint64_t row_key, uint64_t b)
 {
-    return splitmix64(row_key ^ b);
+    return moe_splitmix64(row_key ^ b);
 }
 
 static uint64_t random_word(uint64_t seed, uint64_t rank, uint64_t stream, uint64_t a,

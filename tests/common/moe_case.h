@@ -48,6 +48,9 @@ typedef struct {
     float *topk_weights;  /* [num_tokens, num_topk] */
 } moe_inputs_t;
 
+/* SplitMix64's finaliser: the mix every deterministic test input here is drawn from. */
+uint64_t moe_splitmix64(uint64_t z);
+
 /* Returns 0 on success, -1 on out of memory. Deterministic in (case, rank). */
 int moe_inputs_make(const moe_case_t *c, int rank, moe_inputs_t *in);
 void moe_inputs_free(moe_inputs_t *in);

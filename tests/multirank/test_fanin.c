@@ -28,6 +28,7 @@
 #include "epx_tool.h"
 #include "harness.h"
 #include "mem.h"
+#include "moe_case.h"
 #include "test_util.h"
 
 /* max_tokens_per_rank: more rows than 16 blocks of 16 warps, so at 16 SMs (the 8 x 2
@@ -45,14 +46,6 @@ static uint64_t seed = 7;
 
 /* ---------------------------------------------------------------- the reference */
 
-static uint64_t mix(uint64_t z)
-{
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 /*
  * A random bf16 value, a pure function of its coordinates, with a random sign and now
  * and then -0.0 (a sum from 0.0f makes it +0.0). Even elements: any mantissa, exponent
@@ -64,7 +57,11 @@ static uint64_t mix(uint64_t z)
 static uint16_t random_bf16(uint64_t stream, uint64_t rank, uint64_t row, uint64_t element)
 {
     static const int coarse_exponents[] = {-16, 0, 8, 16};
-    uint64_t w = mix(mix(mix(mix(mix(seed) ^ stream) ^ rank) ^ row) ^ element);
+    uint64_t w = moe_splitmix64(seed);
+    w = moe_splitmix64(w ^ stream);
+    w = moe_splitmix64(w ^ rank);
+    w = moe_splitmix64(w ^ row);
+    w = moe_splitmix64(w ^ element);
     if ((w & 63) == 0)
         return 0x8000;
     uint16_t sign = (uint16_t)(((w >> 8) & 1) << 15);
