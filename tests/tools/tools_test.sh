@@ -519,6 +519,21 @@ bench_ll_check)
         expect_count "^  fp8   $op " out 1
         expect_count "^#   fp8   $op  *[0-9.]*  *[0-9.]*\$" out 1
     done
+    # --wait-stats: the calls pass wait_recv_cost_stats, still checked; the sums after the
+    # rows, a line per (op, rank) with an entry per rank, or one JSON line.
+    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype bf16 \
+        --check --iters 2 --wait-stats
+    expect_rc 0
+    expect_count ' PASS$' out 10
+    expect_count '^# bf16 wait_recv_cost_stats (--wait-stats): ms each rank' out 1
+    expect_count '^#   \(dispatch\|combine \) rank [01]   *[0-9.]*  *[0-9.]*$' out 4
+    run "$EPX" bench -n 2 --mode ll --tokens 16 --hidden 512 --experts 8 --topk 4 --dtype bf16 \
+        --iters 2 --wait-stats --json
+    expect_rc 0
+    expect_count '^{"dtype":"bf16","wait_recv_cost_stats_ns":{"dispatch":\[\[[0-9]*,[0-9]*\],\[[0-9]*,[0-9]*\]\],"combine":' out 1
+    run "$EPX" bench --wait-stats
+    expect_rc 2
+    expect_err '--wait-stats needs --mode ll'
     # The standard case's defaults: 128 tokens, fp8 dispatch only.
     run "$EPX" bench --mode ll --hidden 256 --experts 4 --topk 2 --check --iters 2
     expect_rc 0

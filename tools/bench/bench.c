@@ -55,6 +55,9 @@ static const char bench_usage[] =
     "  --dtype D         dispatch dtype: bf16, fp8 or all (normal all; ll fp8)\n"
     "  --round-scale     ll, fp8: power-of-two scales\n"
     "  --ue8m0           ll, fp8: scales as packed UE8M0 exponents (implies --round-scale)\n"
+    "  --wait-stats      ll: every dispatch and combine passes wait_recv_cost_stats (the\n"
+    "                    time each receive waited for each rank), so the timings include\n"
+    "                    recording them; the sums are printed after the table\n"
     "  --ll-dtype D      ll: the buffer's low-latency rows sized for bf16 or fp8\n"
     "                    (config.low_latency_dtype; fp8 rows take half the bytes and allow\n"
     "                    fp8 dispatch only): fp8 when only fp8 is dispatched, else bf16\n"
@@ -166,6 +169,10 @@ static int apply_mode_defaults(epx__bench_options_t *o)
                 o->ranks_per_node, o->num_ranks);
         return 2;
     }
+    if (o->wait_stats && !ll) {
+        fprintf(stderr, "epx bench: --wait-stats needs --mode ll\n\n%s", bench_usage);
+        return 2;
+    }
     if (o->ll_dtype != EPX_DTYPE_INVALID && !ll) {
         fprintf(stderr, "epx bench: --ll-dtype needs --mode ll\n\n%s", bench_usage);
         return 2;
@@ -211,6 +218,10 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
         }
         if (strcmp(arg, "--json") == 0) {
             o->json = 1;
+            continue;
+        }
+        if (strcmp(arg, "--wait-stats") == 0) {
+            o->wait_stats = 1;
             continue;
         }
         if (strcmp(arg, "--auto-register") == 0) {

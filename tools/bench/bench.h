@@ -58,6 +58,8 @@ typedef struct {
                                  to 2 MiB unless register_exact */
     int register_exact;       /* normal: that allocation exactly the rows and one more */
     int auto_register;        /* normal: the buffer's config.auto_register 1 (else -1) */
+    int wait_stats;           /* ll: every dispatch and combine adds its receive's waits to
+                                 wait_recv_cost_stats, printed at the end (--wait-stats) */
 } epx__bench_options_t;
 
 /* Print "epx bench: rank R: WHAT failed: STATUS: message" and exit 1 on failure. */

@@ -74,6 +74,8 @@ static void setup(ll_case_t *lc)
     lc->topk_idx = alloc_copy(lc, lc->inputs.topk_idx, tokens * topk * 8);
     lc->topk_weights = alloc_copy(lc, lc->inputs.topk_weights, tokens * topk * 4);
     lc->out = alloc_copy(lc, NULL, tokens * (size_t)c->hidden * 2);
+    for (int i = 0; i < 2 && lc->options->wait_stats; i++)
+        lc->wait_stats[i] = alloc_copy(lc, NULL, (size_t)lc->world_size * sizeof(int64_t));
     /* One row per (token, distinct expert): a token naming an expert twice sends once. */
     lc->sent_rows = 0;
     for (size_t t = 0; t < tokens; t++) {
@@ -89,9 +91,11 @@ static void setup(ll_case_t *lc)
 
 static void teardown(ll_case_t *lc)
 {
-    void *memory[] = {lc->x, lc->topk_idx, lc->topk_weights, lc->out};
+    void *memory[] = {lc->x, lc->topk_idx, lc->topk_weights, lc->out, lc->wait_stats[0],
+                      lc->wait_stats[1]};
     for (size_t i = 0; i < sizeof(memory) / sizeof(memory[0]); i++)
-        epx__bench_free(lc->device, memory[i]);
+        if (memory[i] != NULL)
+            epx__bench_free(lc->device, memory[i]);
     moe_inputs_free(&lc->inputs);
     free(lc->recv_count);
     free(lc->expert_first);
@@ -204,11 +208,26 @@ static void make_launch_lags(double *times, int world, int iters)
     }
 }
 
+/* --wait-stats: every rank's two stats tensors, into waits [ranks][2][ranks] on every rank. */
+static void gather_waits(ll_case_t *lc, int64_t *waits)
+{
+    size_t bytes = (size_t)lc->world_size * sizeof(int64_t);
+    int64_t *mine = epx__bench_ll_host_alloc(lc, 2 * bytes, "wait stats");
+    for (int i = 0; i < 2; i++)
+        epx__bench_must(lc->rank,
+                        epx__bench_copy_rows_out(lc->device, mine + i * lc->world_size,
+                                                 lc->wait_stats[i], 1, bytes, bytes),
+                        "copying wait_recv_cost_stats out");
+    epx__bench_allgather(lc->group, mine, waits, 2 * bytes, "gathering wait stats");
+    free(mine);
+}
+
 /* One dispatch dtype. Returns 1 when some rank's check failed. */
 static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_options_t *options,
                     epx__bench_device_t *device, const epx__bench_context_t *context,
                     epx_dtype_t dtype, epx__bench_stats_t *per_rank,
-                    epx__bench_ll_row_t rows[EPX__BENCH_LL_OP_COUNT], ll_traffic_t *traffic)
+                    epx__bench_ll_row_t rows[EPX__BENCH_LL_OP_COUNT], ll_traffic_t *traffic,
+                    int64_t *waits)
 {
     ll_case_t lc;
     memset(&lc, 0, sizeof(lc));
@@ -271,6 +290,8 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
             mine.check[EPX__BENCH_LL_GRAPH_STEP] = EPX__BENCH_CHECK_FAIL;
     free(lc.expected_out);
     lc.expected_out = NULL;
+    if (waits != NULL)
+        gather_waits(&lc, waits);
 
     double *all_times =
         epx__bench_ll_host_alloc(&lc, per_rank_times * (size_t)lc.world_size * sizeof(double), "times");
@@ -339,8 +360,16 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
             exit(1);
         }
         ll_traffic_t traffic;
+        int64_t *waits = NULL;
+        if (options->wait_stats) {
+            waits = calloc((size_t)info.world_size * 2 * (size_t)info.world_size, sizeof(int64_t));
+            if (waits == NULL) {
+                fprintf(stderr, "epx bench: rank %d: out of memory\n", info.rank);
+                exit(1);
+            }
+        }
         failed |= run_case(group, buffer, options, device, context, dtypes[d], per_rank, rows,
-                           &traffic);
+                           &traffic, waits);
         /* CUDA graphs exist on the GPU backend only: elsewhere that row is left out. */
         int printed = info.backend == EPX_BACKEND_CUDA ? EPX__BENCH_LL_OP_COUNT
                                                        : EPX__BENCH_LL_GRAPH_STEP;
@@ -352,8 +381,11 @@ int epx__bench_ll_run(epx_group_t group, const epx__bench_options_t *options,
             if (traffic.counted)
                 epx__bench_ll_nodes_print(stdout, &traffic.shape, dtypes[d], &traffic.rank0,
                                           &traffic.total, options->json, !explained);
+            if (waits != NULL)
+                epx__bench_ll_print_waits(stdout, &ll, dtypes[d], waits, options->json);
             explained = 1;
         }
+        free(waits);
         free(per_rank);
     }
     epx__bench_must(info.rank, epx_buffer_destroy(buffer), "epx_buffer_destroy");

@@ -86,4 +86,12 @@ void epx__bench_ll_print_row(FILE *out, const epx__bench_ll_context_t *ll,
 void epx__bench_ll_print_per_rank(FILE *out, const epx__bench_ll_context_t *ll,
                                   const epx__bench_ll_row_t *rows, int count);
 
+/*
+ * --wait-stats: what each rank's receives added to wait_recv_cost_stats over the run's
+ * calls of dtype `dtype`, `waits` [ranks][2][ranks] ns (dispatch, then combine; entry s
+ * of rank r = how long r waited for rank s): a table in ms, or one JSON line.
+ */
+void epx__bench_ll_print_waits(FILE *out, const epx__bench_ll_context_t *ll, epx_dtype_t dtype,
+                               const int64_t *waits, int json);
+
 #endif /* EPX_TOOLS_BENCH_LL_H */

@@ -30,6 +30,9 @@ typedef struct {
     void *topk_idx;
     void *topk_weights;
     void *out;
+    /* --wait-stats: [R] int64 each, what the dispatches' and the combines' receives add
+     * their waits to (wait_recv_cost_stats); NULL without. */
+    void *wait_stats[2];
     /* Learnt from the first step (every step receives the same rows in the same order). */
     int64_t sent_rows;     /* (token, distinct expert) rows this rank sends */
     int64_t recv_rows;     /* rows it receives, which its combine sends back */

@@ -39,6 +39,8 @@ epx_ll_dispatch_result_t epx__bench_ll_run_dispatch(ll_case_t *lc, uint32_t flag
     args.round_scale = lc->cast.round_scale;
     args.use_ue8m0 = lc->cast.use_ue8m0;
     args.flags = flags;
+    if (lc->wait_stats[0] != NULL)
+        args.wait_recv_cost_stats = epx_tensor_1d(lc->wait_stats[0], EPX_DTYPE_INT64, lc->world_size);
     epx_ll_dispatch_result_t result = EPX_LL_DISPATCH_RESULT_INIT;
     epx__bench_must(lc->rank, epx_ll_dispatch(lc->buffer, &args, &result, lc->device->stream),
                     flags & EPX_LL_SEND_ONLY ? "epx_ll_dispatch (EPX_LL_SEND_ONLY)"
@@ -63,6 +65,8 @@ void epx__bench_ll_run_combine(ll_case_t *lc, epx_ll_handle_t handle, const epx_
         epx_tensor_2d(lc->topk_weights, EPX_DTYPE_FP32, lc->inputs.num_tokens, lc->moe.num_topk);
     args.out = epx_tensor_2d(lc->out, EPX_DTYPE_BF16, lc->inputs.num_tokens, lc->moe.hidden);
     args.flags = flags;
+    if (lc->wait_stats[1] != NULL)
+        args.wait_recv_cost_stats = epx_tensor_1d(lc->wait_stats[1], EPX_DTYPE_INT64, lc->world_size);
     epx__bench_must(lc->rank, epx_ll_combine(lc->buffer, &args, NULL, lc->device->stream),
                     flags & EPX_LL_SEND_ONLY ? "epx_ll_combine (EPX_LL_SEND_ONLY)"
                                              : "epx_ll_combine");

@@ -208,6 +208,46 @@ void epx__bench_ll_print_row(FILE *out, const epx__bench_ll_context_t *ll,
     fflush(out);
 }
 
+void epx__bench_ll_print_waits(FILE *out, const epx__bench_ll_context_t *ll, epx_dtype_t dtype,
+                               const int64_t *waits, int json)
+{
+    static const char *const ops[2] = {"dispatch", "combine"};
+    int ranks = ll->context->ranks;
+    if (json) {
+        fprintf(out, "{\"dtype\":\"%s\",\"wait_recv_cost_stats_ns\":{",
+                epx__bench_dtype_text(dtype));
+        for (int op = 0; op < 2; op++) {
+            fprintf(out, "%s\"%s\":[", op ? "," : "", ops[op]);
+            for (int r = 0; r < ranks; r++) {
+                fprintf(out, "%s[", r ? "," : "");
+                for (int s = 0; s < ranks; s++)
+                    fprintf(out, "%s%lld", s ? "," : "",
+                            (long long)waits[((size_t)r * 2 + (size_t)op) * (size_t)ranks + (size_t)s]);
+                fputc(']', out);
+            }
+            fputc(']', out);
+        }
+        fputs("}}\n", out);
+    } else {
+        fprintf(out, "# %s wait_recv_cost_stats (--wait-stats): ms each rank's receives waited "
+                     "for ranks 0..%d, summed over every call of the run:\n",
+                epx__bench_dtype_text(dtype), ranks - 1);
+        for (int op = 0; op < 2; op++)
+            for (int r = 0; r < ranks; r++) {
+                fprintf(out, "#   %-8s rank %-3d", ops[op], r);
+                for (int s = 0; s < ranks; s++) {
+                    fputc(' ', out);
+                    epx__bench_print_number(
+                        out, 9, 2,
+                        (double)waits[((size_t)r * 2 + (size_t)op) * (size_t)ranks + (size_t)s] / 1e6,
+                        "-");
+                }
+                fputc('\n', out);
+            }
+    }
+    fflush(out);
+}
+
 void epx__bench_ll_print_per_rank(FILE *out, const epx__bench_ll_context_t *ll,
                                   const epx__bench_ll_row_t *rows, int count)
 {
