@@ -114,10 +114,14 @@ static inline uint64_t *epx__host_ll_flag(const epx__host_ll_t *ll, int owner, i
 /*
  * Wait for flag `kind` of `slot` in this rank's segment from every rank in s->peers to
  * reach `target`. Peers masked since the step began are dropped from s->peers first;
- * ranks that fail the wait are masked, dropped and noted in s->failed.
+ * ranks that fail the wait are masked, dropped and noted in s->failed. A receive's wait
+ * with `stats` (not NULL) also adds to stats[r] the nanoseconds from `start` (0: now)
+ * until rank r's flag was seen, for each rank the step still exchanges with
+ * (wait_recv_cost_stats: masked and failed ranks add nothing); sends pass NULL.
  */
 epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                               uint64_t target, const char *stage, epx__host_ll_slot_t *s);
+                               uint64_t target, const char *stage, epx__host_ll_slot_t *s,
+                               int64_t start, int64_t *stats);
 
 /*
  * What a send keeps as the start that its receive's wait_recv_cost_stats count from: a
@@ -129,15 +133,6 @@ static inline int64_t epx__host_ll_wait_start(const void *stats, uint32_t flags)
     return stats != NULL && !(flags & EPX_LL_SEND_ONLY) ? epx__now_ns() : 0;
 }
 
-/*
- * A receive's wait (as epx__host_ll_wait) that, when `stats` is not NULL, adds to
- * stats[r] the nanoseconds from `start` (0: now) until rank r's flag was seen, for each
- * rank the step still exchanges with (wait_recv_cost_stats: masked and failed ranks add
- * nothing).
- */
-epx_status_t epx__host_ll_wait_timed(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                                     uint64_t target, const char *stage, epx__host_ll_slot_t *s,
-                                     int64_t start, int64_t *stats);
 
 /*
  * A receive's last step: hand `slot` back (flag `kind` = `seq`) to every rank the step

@@ -140,11 +140,12 @@ epx_status_t epx__host_ll_create(epx_buffer_t buffer, epx__host_ll_t **out)
     return EPX_SUCCESS;
 }
 
-/* epx__host_ll_wait, with the arrival times in ll->arrived_ns when `timed`. */
-static epx_status_t host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                                 uint64_t target, const char *stage, epx__host_ll_slot_t *s,
-                                 int timed)
+epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
+                               uint64_t target, const char *stage, epx__host_ll_slot_t *s,
+                               int64_t start, int64_t *stats)
 {
+    if (stats != NULL && start == 0)
+        start = epx__now_ns();
     uint8_t *peers = s->peers;
     for (int r = 0; r < world; r++) {
         peers[r] = peers[r] && !ll->mask[r];
@@ -152,7 +153,7 @@ static epx_status_t host_ll_wait(epx__host_ll_t *ll, int rank, int world, int ki
         s->failed[r] = 0;
     }
     epx_status_t status = epx__shm_wait_flags(ll->shm, stage, ll->wait_flags, target, s->failed,
-                                              timed ? ll->arrived_ns : NULL);
+                                              stats != NULL ? ll->arrived_ns : NULL);
     for (int r = 0; r < world; r++) {
         if (!s->failed[r])
             continue;
@@ -161,27 +162,8 @@ static epx_status_t host_ll_wait(epx__host_ll_t *ll, int rank, int world, int ki
         ll->mask[r] = 1;
         EPX_WARN(EPX_SUBSYS_OPS, "low-latency: rank %d masked after a failed wait (%s)", r, stage);
     }
-    return status;
-}
-
-epx_status_t epx__host_ll_wait(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                               uint64_t target, const char *stage, epx__host_ll_slot_t *s)
-{
-    return host_ll_wait(ll, rank, world, kind, slot, target, stage, s, 0);
-}
-
-epx_status_t epx__host_ll_wait_timed(epx__host_ll_t *ll, int rank, int world, int kind, int slot,
-                                     uint64_t target, const char *stage, epx__host_ll_slot_t *s,
-                                     int64_t start, int64_t *stats)
-{
-    if (stats != NULL && start == 0)
-        start = epx__now_ns();
-    epx_status_t status =
-        host_ll_wait(ll, rank, world, kind, slot, target, stage, s, stats != NULL);
-    if (stats == NULL)
-        return status;
-    for (int r = 0; r < world; r++)
-        if (s->peers[r] && ll->arrived_ns[r] >= 0)
+    for (int r = 0; r < world && stats != NULL; r++)
+        if (peers[r] && ll->arrived_ns[r] >= 0)
             stats[r] += ll->arrived_ns[r] - start;
     return status;
 }

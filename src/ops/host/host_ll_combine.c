@@ -39,7 +39,8 @@ epx_status_t epx__host_ll_combine(epx_buffer_t buffer, int slot, const epx_ll_co
 
     epx_status_t peer_status =
         epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_COMBINE_DONE, slot, seq - 1,
-                          "ll_combine (waiting for home ranks to release the slot)", s);
+                          "ll_combine (waiting for home ranks to release the slot)", s, 0,
+                          NULL);
 
     const char *base = epx__host_ll_slot(ll, me, slot);
     const int32_t *counts = (const int32_t *)(base + l->recv_count);
@@ -74,7 +75,7 @@ epx_status_t epx__host_ll_combine_receive(epx_buffer_t buffer, int slot,
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts, k = buffer->config.num_topk;
     int64_t hidden = buffer->config.hidden;
-    epx_status_t peer_status = epx__host_ll_wait_timed(
+    epx_status_t peer_status = epx__host_ll_wait(
         ll, me, world, EPX__LL_FLAG_COMBINE, slot, s->combine_seq,
         "ll_combine (waiting for expert outputs)", s, s->combine_wait_start, s->combine_wait_stats);
 

@@ -64,7 +64,8 @@ epx_status_t epx__host_ll_dispatch(epx_buffer_t buffer, int slot,
     /* The receivers must be done with this slot's previous dispatch. */
     epx_status_t peer_status =
         epx__host_ll_wait(ll, me, world, EPX__LL_FLAG_DISPATCH_DONE, slot, seq - 1,
-                          "ll_dispatch (waiting for receivers to release the slot)", s);
+                          "ll_dispatch (waiting for receivers to release the slot)", s, 0,
+                          NULL);
 
     memset(ll->send_counts, 0, (size_t)buffer->config.num_experts * sizeof(int32_t));
     int64_t x_stride = epx__tensor_row_stride(&args->x);
@@ -124,7 +125,7 @@ epx_status_t epx__host_ll_dispatch_receive(epx_buffer_t buffer, int slot, void *
     int world = buffer->group->world_size, me = buffer->group->rank;
     int num_local = buffer->num_local_experts;
     int64_t hidden = buffer->config.hidden, m = l->max_tokens;
-    epx_status_t peer_status = epx__host_ll_wait_timed(
+    epx_status_t peer_status = epx__host_ll_wait(
         ll, me, world, EPX__LL_FLAG_DISPATCH, slot, s->dispatch_seq,
         "ll_dispatch (waiting for tokens)", s, s->dispatch_wait_start, s->dispatch_wait_stats);
 
