@@ -208,6 +208,12 @@ void epx__bench_ll_print_row(FILE *out, const epx__bench_ll_context_t *ll,
     fflush(out);
 }
 
+/* Rank r's wait for rank s in op (0 dispatch, 1 combine): waits is [rank][op][source]. */
+static int64_t wait_ns(const int64_t *waits, int ranks, int r, int op, int s)
+{
+    return waits[((size_t)r * 2 + (size_t)op) * (size_t)ranks + (size_t)s];
+}
+
 void epx__bench_ll_print_waits(FILE *out, const epx__bench_ll_context_t *ll, epx_dtype_t dtype,
                                const int64_t *waits, int json)
 {
@@ -222,7 +228,7 @@ void epx__bench_ll_print_waits(FILE *out, const epx__bench_ll_context_t *ll, epx
                 fprintf(out, "%s[", r ? "," : "");
                 for (int s = 0; s < ranks; s++)
                     fprintf(out, "%s%lld", s ? "," : "",
-                            (long long)waits[((size_t)r * 2 + (size_t)op) * (size_t)ranks + (size_t)s]);
+                            (long long)wait_ns(waits, ranks, r, op, s));
                 fputc(']', out);
             }
             fputc(']', out);
@@ -239,7 +245,7 @@ void epx__bench_ll_print_waits(FILE *out, const epx__bench_ll_context_t *ll, epx
                     fputc(' ', out);
                     epx__bench_print_number(
                         out, 9, 2,
-                        (double)waits[((size_t)r * 2 + (size_t)op) * (size_t)ranks + (size_t)s] / 1e6,
+                        (double)wait_ns(waits, ranks, r, op, s) / 1e6,
                         "-");
                 }
                 fputc('\n', out);
