@@ -42,4 +42,8 @@ if(Python3_Interpreter_FOUND)
   add_test(NAME tools.ll_trace
            COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tools/test_ll_trace.py)
   set_tests_properties(tools.ll_trace PROPERTIES TIMEOUT 60)
+  # scripts/normal-trace (the EPX_NORMAL_TRACE reader), likewise.
+  add_test(NAME tools.normal_trace
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tools/test_normal_trace.py)
+  set_tests_properties(tools.normal_trace PROPERTIES TIMEOUT 60)
 endif()

@@ -132,6 +132,9 @@ void epx__log_set_rank(int rank);
     X(LL_TRACE, STRING, "", 0, 0,                                                           \
       "Developers: low-latency kernels 2 record phase times; written to <value>.<rank> when " \
       "the buffer is destroyed (scripts/ll-trace reads them)")                              \
+    X(NORMAL_TRACE, STRING, "", 0, 0,                                                       \
+      "Developers: the normal-mode combine (one node) records when each phase ends; "      \
+      "written to <value>.<rank> when the buffer is destroyed (scripts/normal-trace reads them)") \
     X(XN_TEST_DELAY_NS, INT, 0, 0, 1000000,                                                 \
       "Tests: internode puts go in reverse token order, half of them held up to this many ns") \
     X(XN_RING_TOKENS, INT, 0, 0, 1048576,                                                   \

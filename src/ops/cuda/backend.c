@@ -148,6 +148,7 @@ static void release_buffer(epx__cuda_buffer_t *cuda)
         (void)cudaFreeHost(cuda->mapped);
     if (cuda->local != NULL)
         (void)cudaFree(cuda->local);
+    epx__cuda_trace_release(cuda, 0);
     epx__cuda_release_ranges(cuda);
     epx__cuda_ipc_destroy(cuda->ipc);
     epx__cuda_xn_destroy(cuda, 0);
@@ -200,6 +201,7 @@ static epx_status_t create_local(epx_buffer_t buffer, epx__cuda_buffer_t *cuda)
     /* A few handles up front: growing the pool is not allowed during graph capture. */
     EPX_CHECK(epx__cuda_pool_create(buffer->group->device, cuda->handle_slot_bytes, 4,
                                     &cuda->pool));
+    EPX_CHECK(epx__cuda_trace_create(cuda));
     EPX_CUDA_CHECK(cudaDeviceSynchronize(), "buffer_create: initialising device memory");
     return EPX_SUCCESS;
 }
@@ -397,6 +399,7 @@ static void cuda_buffer_destroy(epx_buffer_t buffer, int all_ready)
     if (cuda == NULL)
         return;
     (void)cudaSetDevice(buffer->group->device);
+    epx__cuda_trace_release(cuda, all_ready);
     epx__cuda_ll_destroy(cuda->ll, all_ready);
     cuda->ll = NULL;
     /* After the low-latency part: symmetric frees happen in the same order everywhere. */

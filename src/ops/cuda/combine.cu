@@ -36,6 +36,49 @@
 
 #define EPX_COMBINE_WARPS (EPX_CUDA_THREADS / 32)
 
+/* EPX_NORMAL_TRACE (launch.h): the current combine's record, NULL when not tracing. */
+__device__ __forceinline__ unsigned long long *combine_trace(const epx__cuda_shape_t &s)
+{
+    if (s.trace == NULL)
+        return NULL;
+    const uint64_t call = *reinterpret_cast<volatile uint64_t *>(&s.trace[1]);
+    return reinterpret_cast<unsigned long long *>(
+        s.trace + 2 + (call % EPX_NORMAL_TRACE_CALLS) * EPX_NORMAL_TRACE_EVENTS);
+}
+
+/* One thread, the ready kernel's start: a new record, its first time stamped. */
+__device__ __forceinline__ void combine_trace_start(const epx__cuda_shape_t &s)
+{
+    if (s.trace == NULL)
+        return;
+    const uint64_t call = s.trace[0]++;
+    s.trace[1] = call;
+    unsigned long long *e = combine_trace(s);
+    for (int i = 0; i < EPX_NORMAL_TRACE_EVENTS; i++)
+        e[i] = 0;
+    e[EPX_NORMAL_TRACE_PULL_FIRST] = ~0ull;
+    e[EPX_NORMAL_TRACE_ROWS_FIRST] = ~0ull;
+    e[EPX_NORMAL_TRACE_READY_START] = epx_globaltimer();
+}
+
+/* One thread: the event's first time (atomicMin) and its last (atomicMax) in a pair. */
+__device__ __forceinline__ void combine_trace_span(const epx__cuda_shape_t &s, int first)
+{
+    unsigned long long *e = combine_trace(s);
+    if (e == NULL)
+        return;
+    const unsigned long long now = epx_globaltimer();
+    atomicMin(&e[first], now);
+    atomicMax(&e[first + 1], now);
+}
+
+__device__ __forceinline__ void combine_trace_at(const epx__cuda_shape_t &s, int event)
+{
+    unsigned long long *e = combine_trace(s);
+    if (e != NULL)
+        e[event] = epx_globaltimer();
+}
+
 /*
  * One block: publish where this rank's x is (offset, stride, rows) and that it is ready,
  * then wait until every peer has done the same. Kept out of the pull kernel so that at
@@ -48,8 +91,10 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
     const uint64_t seq = epx_op_seq(s);
     /* The pull kernel's token tickets start from zero (it reads them only after this
      * kernel has ended, at its epx_wait_previous). */
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE_TOKENS] = 0;
+        combine_trace_start(s);
+    }
     if (epx_block_failed(s))
         return;
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -71,6 +116,8 @@ __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t
      * ninth session). The start trigger was 3-14 us faster than no early launch at 16
      * SMs a rank (fifth session); this form measured the same as it (sixth session). */
     __syncthreads();
+    if (threadIdx.x == 0)
+        combine_trace_at(s, EPX_NORMAL_TRACE_READY_DONE);
     epx_let_next_start();
 }
 
@@ -119,6 +166,8 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
     /* The ready exchange failed on this rank (or an earlier operation did). */
     if (epx_block_failed(s))
         return;
+    if (threadIdx.x == 0)
+        combine_trace_span(s, EPX_NORMAL_TRACE_PULL_FIRST);
     /* Every peer's input location, acquired by the ready kernel before this one. */
     for (int r = threadIdx.x; r < R; r += blockDim.x) {
         const volatile epx__cuda_slot_t *slot = epx_slot(s, me, r);
@@ -176,9 +225,15 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
         __syncwarp();
     }
 
+    if (lane == 0)
+        combine_trace_span(s, EPX_NORMAL_TRACE_ROWS_FIRST);
     if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
         return;
+    if (threadIdx.x == 0)
+        combine_trace_at(s, EPX_NORMAL_TRACE_DONE_START);
     epx_finish_exchange(s, offsetof(epx__cuda_slot_t, done_flag), seq, EPX_CUDA_STAGE_COMBINE_DONE);
+    if (threadIdx.x == 0)
+        combine_trace_at(s, EPX_NORMAL_TRACE_DONE_END);
 }
 
 extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,

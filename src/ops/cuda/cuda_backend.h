@@ -140,6 +140,11 @@ void epx__cuda_gpu_share(const epx__cuda_gpu_vote_t *votes, int world_size, int 
 epx_status_t epx__cuda_register_range(epx_buffer_t buffer, int slot);
 epx_status_t epx__cuda_unregister_range(epx_buffer_t buffer, int slot);
 void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda);
+
+/* trace.c: the normal-mode combine's phase trace (EPX_NORMAL_TRACE), made at create and
+ * written (write = 1: every rank ready to destroy) and freed at release. */
+epx_status_t epx__cuda_trace_create(epx__cuda_buffer_t *cuda);
+void epx__cuda_trace_release(epx__cuda_buffer_t *cuda, int write);
 /* Write this rank's device table row `row` (EPX_CUDA_RANGE_ROWS) from `peers` ([R], or
  * NULL: all NULL). Synchronous; no kernel may be reading the row. */
 epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers);

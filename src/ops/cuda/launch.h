@@ -244,10 +244,31 @@ typedef struct {
     int64_t xn_chunk;          /* G: records per put and per credit, divides C */
     int64_t off_xn_ring;       /* the rings' counters (epx__cuda_xn_ring_layout) */
     epx__cuda_local_t *local;
+    uint64_t *trace;                 /* EPX_NORMAL_TRACE (below), or NULL */
     epx__cuda_mapped_t *mapped;      /* device address of the mapped block */
     int32_t *mapped_rank_counts;     /* [R * R] */
     int32_t *mapped_recv_per_expert; /* [L] */
 } epx__cuda_shape_t;
+
+/*
+ * The normal-mode combine's phase trace (EPX_NORMAL_TRACE, one node, the vector kernel):
+ * word 0 counts the combines traced, word 1 is the current one's record; then
+ * EPX_NORMAL_TRACE_CALLS records (call c at c % CALLS) of EPX_NORMAL_TRACE_EVENTS
+ * globaltimer times (ns), one clock for every process on the GPU.
+ */
+#define EPX_NORMAL_TRACE_CALLS 256
+enum {
+    EPX_NORMAL_TRACE_READY_START = 0, /* the ready kernel starts */
+    EPX_NORMAL_TRACE_READY_DONE,      /* every peer's input published */
+    EPX_NORMAL_TRACE_PULL_FIRST,      /* the pull kernel's first block starts */
+    EPX_NORMAL_TRACE_PULL_LAST,       /* its last block starts */
+    EPX_NORMAL_TRACE_ROWS_FIRST,      /* the first warp has summed its last token */
+    EPX_NORMAL_TRACE_ROWS_LAST,       /* the last warp has */
+    EPX_NORMAL_TRACE_DONE_START,      /* the last block starts the done exchange */
+    EPX_NORMAL_TRACE_DONE_END,        /* and ends it */
+    EPX_NORMAL_TRACE_EVENTS
+};
+#define EPX_NORMAL_TRACE_WORDS (2 + EPX_NORMAL_TRACE_CALLS * EPX_NORMAL_TRACE_EVENTS)
 
 /* ---------------------------------------------------------------- layout */
 
