@@ -145,6 +145,12 @@ void epx__cuda_release_ranges(epx__cuda_buffer_t *cuda);
  * written (write = 1: every rank ready to destroy) and freed at release. */
 epx_status_t epx__cuda_trace_create(epx__cuda_buffer_t *cuda);
 void epx__cuda_trace_release(epx__cuda_buffer_t *cuda, int write);
+/* A device trace of `words` words to <prefix>.<rank>, after a header of 8 int64: the
+ * magic's 8 bytes, then `fields`. Best effort: a failure is logged (naming `variable`),
+ * never an error. Also the low-latency trace's (ll_setup.c, EPX_LL_TRACE). */
+void epx__cuda_trace_write(const char *variable, const char *prefix, int rank,
+                           const char magic[8], const int64_t fields[7], const uint64_t *trace,
+                           size_t words);
 /* Write this rank's device table row `row` (EPX_CUDA_RANGE_ROWS) from `peers` ([R], or
  * NULL: all NULL). Synchronous; no kernel may be reading the row. */
 epx_status_t epx__cuda_write_range_row(epx__cuda_buffer_t *cuda, int row, char *const *peers);

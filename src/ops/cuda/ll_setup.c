@@ -223,27 +223,10 @@ static epx_status_t create_trace(epx__cuda_ll_t *ll)
 static void write_trace(const epx__cuda_ll_t *ll)
 {
     const epx_ll_shape_t *s = &ll->shape;
-    size_t words = epx_ll_trace_words(s->blocks);
-    uint64_t *host = malloc(words * sizeof(uint64_t));
-    char path[1100];
-    snprintf(path, sizeof(path), "%s.%d", epx__param_string(EPX_PARAM_LL_TRACE), s->rank);
-    FILE *file = NULL;
-    if (host != NULL &&
-        cudaMemcpy(host, ll->trace, words * sizeof(uint64_t), cudaMemcpyDeviceToHost) == cudaSuccess)
-        file = fopen(path, "wb");
-    if (file != NULL) {
-        int64_t header[8] = {0, s->rank, s->world, s->blocks, EPX_LL_TRACE_CALLS,
-                             EPX_LL_TRACE_EVENTS, s->kernels, 0};
-        memcpy(&header[0], "EPXLLTR2", 8);
-        if (fwrite(header, sizeof(header), 1, file) != 1 ||
-            fwrite(host, sizeof(uint64_t), words, file) != words)
-            EPX_WARN(EPX_SUBSYS_OPS, "EPX_LL_TRACE: writing %s failed", path);
-        fclose(file);
-        EPX_INFO(EPX_SUBSYS_OPS, "EPX_LL_TRACE: wrote %s", path);
-    } else {
-        EPX_WARN(EPX_SUBSYS_OPS, "EPX_LL_TRACE: could not write %s", path);
-    }
-    free(host);
+    const int64_t fields[7] = {s->rank, s->world, s->blocks, EPX_LL_TRACE_CALLS,
+                               EPX_LL_TRACE_EVENTS, s->kernels, 0};
+    epx__cuda_trace_write("EPX_LL_TRACE", epx__param_string(EPX_PARAM_LL_TRACE), s->rank,
+                          "EPXLLTR2", fields, ll->trace, epx_ll_trace_words(s->blocks));
 }
 
 /* Device memory, the peer table and the failure record; zeroes everything. */

@@ -3,7 +3,8 @@
  * memory the combine kernels stamp (layout in launch.h, stamps in combine.cu), written to
  * <prefix>.<rank> when the buffer is destroyed; scripts/normal-trace prints where a
  * combine's time went (docs/PERFORMANCE.md, "Where combine's time goes beyond its row
- * loop"). One node only: the internode combine kernels record nothing.
+ * loop"). One node only: the internode combine kernels record nothing. The file writer
+ * serves the low-latency trace (EPX_LL_TRACE, ll_setup.c) as well.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,32 +24,28 @@ epx_status_t epx__cuda_trace_create(epx__cuda_buffer_t *cuda)
     return EPX_SUCCESS;
 }
 
-/*
- * <prefix>.<rank>: a header of 8 int64 (magic "EPXNMTR1" as bytes, rank, world, calls
- * a ring holds, events, 0, 0, 0), then the trace's words. Best effort: a failure is
- * logged, never an error.
- */
-static void write_trace(const epx__cuda_shape_t *s)
+void epx__cuda_trace_write(const char *variable, const char *prefix, int rank,
+                           const char magic[8], const int64_t fields[7], const uint64_t *trace,
+                           size_t words)
 {
-    uint64_t *host = malloc(EPX_NORMAL_TRACE_WORDS * sizeof(uint64_t));
+    uint64_t *host = malloc(words * sizeof(uint64_t));
     char path[1100];
-    snprintf(path, sizeof(path), "%s.%d", epx__param_string(EPX_PARAM_NORMAL_TRACE), s->rank);
+    snprintf(path, sizeof(path), "%s.%d", prefix, rank);
     FILE *file = NULL;
-    if (host != NULL && cudaDeviceSynchronize() == cudaSuccess &&
-        cudaMemcpy(host, s->trace, EPX_NORMAL_TRACE_WORDS * sizeof(uint64_t),
-                   cudaMemcpyDeviceToHost) == cudaSuccess)
+    if (host != NULL &&
+        cudaMemcpy(host, trace, words * sizeof(uint64_t), cudaMemcpyDeviceToHost) == cudaSuccess)
         file = fopen(path, "wb");
     if (file != NULL) {
-        int64_t header[8] = {0, s->rank, s->world_size, EPX_NORMAL_TRACE_CALLS,
-                             EPX_NORMAL_TRACE_EVENTS, 0, 0, 0};
-        memcpy(&header[0], "EPXNMTR1", 8);
+        int64_t header[8];
+        memcpy(&header[0], magic, 8);
+        memcpy(&header[1], fields, 7 * sizeof(int64_t));
         if (fwrite(header, sizeof(header), 1, file) != 1 ||
-            fwrite(host, sizeof(uint64_t), EPX_NORMAL_TRACE_WORDS, file) != EPX_NORMAL_TRACE_WORDS)
-            EPX_WARN(EPX_SUBSYS_OPS, "EPX_NORMAL_TRACE: writing %s failed", path);
+            fwrite(host, sizeof(uint64_t), words, file) != words)
+            EPX_WARN(EPX_SUBSYS_OPS, "%s: writing %s failed", variable, path);
         fclose(file);
-        EPX_INFO(EPX_SUBSYS_OPS, "EPX_NORMAL_TRACE: wrote %s", path);
+        EPX_INFO(EPX_SUBSYS_OPS, "%s: wrote %s", variable, path);
     } else {
-        EPX_WARN(EPX_SUBSYS_OPS, "EPX_NORMAL_TRACE: could not write %s", path);
+        EPX_WARN(EPX_SUBSYS_OPS, "%s: could not write %s", variable, path);
     }
     free(host);
 }
@@ -58,8 +55,12 @@ void epx__cuda_trace_release(epx__cuda_buffer_t *cuda, int write)
     epx__cuda_shape_t *s = &cuda->shape;
     if (s->trace == NULL)
         return;
-    if (write)
-        write_trace(s);
+    /* Header: magic "EPXNMTR1", rank, world, calls a ring holds, events, 0, 0, 0. */
+    const int64_t fields[7] = {s->rank, s->world_size, EPX_NORMAL_TRACE_CALLS,
+                               EPX_NORMAL_TRACE_EVENTS, 0, 0, 0};
+    if (write && cudaDeviceSynchronize() == cudaSuccess)
+        epx__cuda_trace_write("EPX_NORMAL_TRACE", epx__param_string(EPX_PARAM_NORMAL_TRACE),
+                              s->rank, "EPXNMTR1", fields, s->trace, EPX_NORMAL_TRACE_WORDS);
     (void)cudaFree(s->trace);
     s->trace = NULL;
 }
