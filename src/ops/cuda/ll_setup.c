@@ -6,7 +6,6 @@
  * NVSHMEM cannot be set up twice in a process, so low-latency CUDA buffers end with the
  * group that set it up.
  */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
