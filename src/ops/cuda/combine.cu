@@ -29,6 +29,9 @@
  *
  * Buffer use: reads only; the row of a token at rank r is send_row[t][r] < rows of r's
  * x (checked; a short x is an error naming the rank, never an out-of-bounds read).
+ *
+ * Trace: with EPX_NORMAL_TRACE (s.trace set; trace.c) the ready kernel opens a record per
+ * combine and both kernels stamp when their phases end (events in launch.h).
  */
 #include "combine_order.cuh"
 #include "reduce.cuh"
