@@ -58,18 +58,24 @@ def main():
             write(prefix, rank, calls=6, skip_whole=(2,))
         out, v = run(script, prefix)
         assert "2 ranks, 5 combines (calls 0-5)" in out, out
-        assert v["ranks start, last after first"] == 4.0, v
-        assert v["ready exchange done, slowest rank, from the first start"] == 5.0, v
-        assert v["ready done to the pull kernel's first block"] == 1.0, v
-        assert v["pull blocks' starts, spread in a rank (longest)"] == 0.5, v
-        assert v["row loop, first block start to last warp end: median rank"] == 99.0, v
-        assert v["row loop: slowest rank"] == 104.0, v
-        assert v["first warp done to last warp done in a rank: median rank"] == 20.0, v
-        assert v["last warp done to the done exchange: median rank"] == 2.0, v
-        assert v["done exchange: median rank"] == 13.0, v
-        assert v["ranks' loops end, last after first"] == 10.0, v
-        assert v["ready start to done end: median rank"] == 118.0, v
-        assert v["ready start to done end: longest rank"] == 120.0, v
+        # Every row the reader prints, in us, as record() wrote the two ranks' stamps.
+        expected = {
+            "ranks start, last after first": 4.0,
+            "ready exchange done, slowest rank, from the first start": 5.0,
+            "ready done to the pull kernel's first block": 1.0,
+            "pull blocks' starts, spread in a rank (longest)": 0.5,
+            "row loop, first block start to last warp end: median rank": 99.0,
+            "row loop: slowest rank": 104.0,
+            "first warp done to last warp done in a rank: median rank": 20.0,
+            "last warp done to the done exchange: median rank": 2.0,
+            "done exchange: median rank": 13.0,
+            "ranks' loops end, last after first": 10.0,
+            "ready start to done end: median rank": 118.0,
+            "ready start to done end: longest rank": 120.0,
+        }
+        assert sorted(v) == sorted(expected), v
+        for name, want in expected.items():
+            assert v[name] == want, (name, v[name], want)
         out, _ = run(script, prefix, "--first", "1", "--every", "2")
         assert "2 ranks, 3 combines (calls 1-5)" in out, out
         bad = subprocess.run([sys.executable, script, os.path.join(tmp, "none")],
