@@ -37,7 +37,7 @@ typedef struct {
     epx_backend_t backend;
     int check;
     int json;
-    double floor_bw_gbps; /* 0 = measure (host) or assume (cuda) */
+    double floor_bw_gbps; /* 0 = measure at the start (rank 0) */
     int num_ranks;        /* -n; 0 = not given */
     double timeout_s;     /* for the launch that -n starts */
     int use_mps;          /* the launch that -n starts runs a CUDA MPS daemon */

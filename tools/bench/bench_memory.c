@@ -343,6 +343,9 @@ double epx__bench_copy_bandwidth(epx__bench_device_t *device, size_t bytes)
         }
         epx__bench_free(device, src);
         epx__bench_free(device, dst);
+        /* A failed allocation is reported by the return value, not left for the next
+         * check of the last CUDA error. */
+        (void)cudaGetLastError();
         return best_us > 0 ? 2.0 * (double)bytes / (best_us * 1e3) : 0;
     }
 #endif
