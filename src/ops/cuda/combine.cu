@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS, 1)
 
     if (lane == 0)
         combine_trace_span(s, EPX_NORMAL_TRACE_ROWS_FIRST);
-    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
+    if (!epx_last_block_reader(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
         return;
     if (threadIdx.x == 0)
         combine_trace_at(s, EPX_NORMAL_TRACE_DONE_START);

@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(EPX_BULK_PIPES * 32)
         }
     }
 
-    if (!epx_last_block(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
+    if (!epx_last_block_reader(&s.local->grid_counter[EPX_CUDA_COUNTER_COMBINE], &last))
         return;
     epx_finish_exchange(s, offsetof(epx__cuda_slot_t, done_flag), seq, EPX_CUDA_STAGE_COMBINE_DONE);
 }

@@ -38,6 +38,12 @@ __device__ __forceinline__ void epx_fence_acq_rel_sys()
     asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
+/* The same at GPU scope (fence.acq_rel.gpu): orders this GPU's threads only. */
+__device__ __forceinline__ void epx_fence_acq_rel_gpu()
+{
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+}
+
 /* A plain load that is never cached or merged by the compiler (polling). */
 __device__ __forceinline__ uint64_t epx_ld_volatile_u64(const uint64_t *p)
 {
@@ -229,6 +235,32 @@ __device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
         if (*flag) {
             atomicExch(counter, 0u);
             epx_fence_acq_rel_sys();
+        }
+    }
+    __syncthreads();
+    return *flag;
+}
+
+/*
+ * The last-block barrier of a kernel whose writes no other rank reads (the one-node
+ * combine: it loads peers' rows and writes only this rank's output): as epx_last_block,
+ * with fences at GPU scope. What the finish exchange's release store (system scope) must
+ * order before it is every block's loads from peers, whose values the block has summed
+ * and stored before it arrives; the block barrier and thread 0's GPU-scope release on
+ * the counter, acquired by the last block, carry them to the thread that stores the
+ * flag, and a release is cumulative over what its thread has observed, whatever scope
+ * it observed it at. The output rows are read after the kernel, in stream order.
+ */
+__device__ __forceinline__ int epx_last_block_reader(uint32_t *counter, int *flag)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        epx_fence_acq_rel_gpu();
+        uint32_t arrived = atomicAdd(counter, 1u);
+        *flag = arrived == gridDim.x - 1;
+        if (*flag) {
+            atomicExch(counter, 0u);
+            epx_fence_acq_rel_gpu();
         }
     }
     __syncthreads();
