@@ -22,15 +22,11 @@
 #include "common/tool.h"
 #include "launch/launch.h"
 
-/* The floor's bandwidth is measured at the start of every run (docs/PERFORMANCE.md, "How
- * the numbers are counted"): on CUDA a device-to-device copy of 2 GiB on rank 0 alone
- * (smaller copies measure less: 4062 against 4250 GB/s at 256 MiB on an H200), 256 MiB
- * when that much cannot be allocated; on the host a memcpy of 256 MiB. The H200's figure
- * stands in only when nothing could be measured, and the header says so. */
-#define CUDA_FLOOR_COPY_BYTES ((size_t)2 << 30)
-#define CUDA_FLOOR_FALLBACK_BYTES ((size_t)256 << 20)
+/* The floor's bandwidth is measured at the start of every run
+ * (epx__bench_floor_bandwidth; docs/PERFORMANCE.md, "How the numbers are counted"); the
+ * H200's figure stands in on CUDA only when nothing could be measured, and the header
+ * says so. */
 #define CUDA_FLOOR_ASSUMED_GBPS 4250.0
-#define HOST_FLOOR_COPY_BYTES ((size_t)256 << 20)
 
 static const char bench_usage[] =
     "usage: epx bench [options]\n"
@@ -434,33 +430,22 @@ static void choose_floor(epx_group_t group, const epx__bench_options_t *o,
         context->floor_source = "given with --floor-bw";
         return;
     }
-    if (info->backend != EPX_BACKEND_CUDA) {
-        if (info->rank == 0) {
-            context->floor_bw_gbps = epx__bench_host_copy_bandwidth(HOST_FLOOR_COPY_BYTES);
-            context->floor_source = context->floor_bw_gbps > 0
-                                        ? "measured: 256 MiB memcpy on rank 0, read + write counted"
-                                        : "could not allocate 256 MiB to measure memcpy";
-        } else {
-            context->floor_source = "measured on rank 0";
-        }
-        return;
-    }
-    /* Alone on the GPU: the other ranks' work would share its bandwidth. */
+    const int cuda = info->backend == EPX_BACKEND_CUDA;
+    /* Alone on the device: the other ranks' work would share its bandwidth. */
     epx__bench_must(info->rank, epx_group_barrier(group), "epx_group_barrier");
     if (info->rank == 0) {
-        context->floor_source = "measured: 2 GiB device-to-device copy on rank 0 alone, "
-                                "read + write counted";
-        context->floor_bw_gbps = epx__bench_copy_bandwidth(device, CUDA_FLOOR_COPY_BYTES);
-        if (context->floor_bw_gbps <= 0) {
-            context->floor_source = "measured: 256 MiB device-to-device copy on rank 0 alone "
-                                    "(2 GiB could not be allocated), read + write counted";
-            context->floor_bw_gbps = epx__bench_copy_bandwidth(device, CUDA_FLOOR_FALLBACK_BYTES);
-        }
-        if (context->floor_bw_gbps <= 0) {
+        size_t bytes = 0;
+        context->floor_bw_gbps = epx__bench_floor_bandwidth(device, &bytes);
+        context->floor_source =
+            bytes == EPX__BENCH_FLOOR_COPY_BYTES
+                ? "measured: 2 GiB device-to-device copy on rank 0 alone, read + write counted"
+            : bytes > 0 && cuda ? "measured: 256 MiB device-to-device copy on rank 0 alone (2 GiB "
+                                  "could not be allocated), read + write counted"
+            : bytes > 0         ? "measured: 256 MiB memcpy on rank 0, read + write counted"
+            : cuda ? "assumed (the copy could not be measured): an H200's HBM copy bandwidth"
+                   : "could not allocate 256 MiB to measure memcpy";
+        if (bytes == 0 && cuda)
             context->floor_bw_gbps = CUDA_FLOOR_ASSUMED_GBPS;
-            context->floor_source = "assumed (the copy could not be measured): an H200's "
-                                    "HBM copy bandwidth";
-        }
     } else {
         context->floor_source = "measured on rank 0";
     }

@@ -27,8 +27,10 @@
  * Each row: rank 0's median, the slowest rank's median, every rank's bytes read +
  * written (fan-out: each source row once + each copy; fan-in: each term read + each
  * output row once; the same count), GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
- * the copy bandwidth: measured by rank 0 alone at the start (cudaMemcpyAsync of 256 MiB,
- * as tests/gpu/cuda_normal measures it), and the floor's bandwidth of the other modes.
+ * the copy bandwidth: measured by rank 0 alone once the rows are allocated
+ * (epx__bench_floor_bandwidth: cudaMemcpyAsync of 2 GiB, as tests/gpu/cuda_normal
+ * measures it; before 2026-12-05 of 256 MiB, which measures 3-5% less), and the floor's
+ * bandwidth (measured the same way at the start, unless given).
  * Nothing makes the ranks' copies overlap (no rank waits for another inside one), so
  * when they start apart each runs partly alone and bytes / slowest overstates the
  * bandwidth (past the floor: 2026-12-04, 16 SMs a rank); each row also gives the span,
@@ -44,7 +46,6 @@
 #include "common/tool.h"
 #include "epx_tool.h"
 
-#define COPY_BANDWIDTH_BYTES ((size_t)256 << 20)
 
 typedef enum {
     FANOUT_COPY = 0,   /* epx_fanout_copy */
@@ -89,6 +90,7 @@ typedef struct {
     void *engine_dst;
     double fanout;     /* destinations per row on average */
     double copy_gbps;  /* measured on rank 0 */
+    size_t copy_bytes; /* the size of that copy */
 } fanout_bench_t;
 
 /* Rows the fan-out writes for `rows` source rows (epx_tool.h's k_i summed). */
@@ -156,12 +158,12 @@ static void print_header(const fanout_bench_t *b)
            b->fanout);
     epx__bench_print_sms(stdout, c);
     printf(", warmup %d iters %d\n", c->warmup, c->iters);
-    printf("# copy bandwidth: %.1f GB/s measured (rank 0 alone, %s, read + write); floor "
-           "bandwidth %.1f GB/s (%s)\n",
+    printf("# copy bandwidth: %.1f GB/s measured (rank 0 alone, %s of %zu MiB, read + write); "
+           "floor bandwidth %.1f GB/s (%s)\n",
            b->copy_gbps,
            b->device->backend == EPX_BACKEND_CUDA ? "a device-to-device cudaMemcpyAsync"
                                                   : "a memcpy",
-           c->floor_bw_gbps, c->floor_source);
+           b->copy_bytes >> 20, c->floor_bw_gbps, c->floor_source);
     printf("# bytes: every rank's rows read once + written once per destination (fanin: each "
            "of a row's sources read once + the row written once; fanout = sources per row); "
            "GB/s = bytes / slowest; of_copy, of_floor: GB/s over those bandwidths\n");
@@ -327,7 +329,7 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
     /* Rank 0 measures the copy bandwidth while the others wait. */
     epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
     if (b.rank == 0)
-        b.copy_gbps = epx__bench_copy_bandwidth(device, COPY_BANDWIDTH_BYTES);
+        b.copy_gbps = epx__bench_floor_bandwidth(device, &b.copy_bytes);
     epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
 
     if (b.rank == 0 && !options->json)

@@ -352,3 +352,22 @@ double epx__bench_copy_bandwidth(epx__bench_device_t *device, size_t bytes)
     (void)device;
     return epx__bench_host_copy_bandwidth(bytes);
 }
+
+double epx__bench_floor_bandwidth(epx__bench_device_t *device, size_t *bytes)
+{
+    size_t size = EPX__BENCH_FLOOR_FALLBACK_BYTES;
+    double gbps = 0;
+#ifdef EPX_WITH_CUDA
+    if (is_cuda(device)) {
+        size = EPX__BENCH_FLOOR_COPY_BYTES;
+        gbps = epx__bench_copy_bandwidth(device, size);
+    }
+#endif
+    if (gbps <= 0) {
+        size = EPX__BENCH_FLOOR_FALLBACK_BYTES;
+        gbps = epx__bench_copy_bandwidth(device, size);
+    }
+    if (bytes != NULL)
+        *bytes = gbps > 0 ? size : 0;
+    return gbps;
+}

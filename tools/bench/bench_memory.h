@@ -77,4 +77,15 @@ epx_status_t epx__bench_copy(const epx__bench_device_t *device, void *dst, const
  */
 double epx__bench_copy_bandwidth(epx__bench_device_t *device, size_t bytes);
 
+/*
+ * The copy bandwidth the floors are counted against, measured as above by the calling
+ * rank (alone on the device: the caller keeps the others waiting): CUDA copies 2 GiB
+ * (smaller copies measure less: 4062 against 4250 GB/s at 256 MiB on an H200), 256 MiB
+ * when 2 GiB cannot be allocated; the host 256 MiB. `bytes` (optional) receives the size
+ * measured. 0 if nothing could be measured.
+ */
+#define EPX__BENCH_FLOOR_COPY_BYTES ((size_t)2 << 30)       /* CUDA */
+#define EPX__BENCH_FLOOR_FALLBACK_BYTES ((size_t)256 << 20) /* the host; CUDA's fallback */
+double epx__bench_floor_bandwidth(epx__bench_device_t *device, size_t *bytes);
+
 #endif /* EPX_TOOLS_BENCH_MEMORY_H */
