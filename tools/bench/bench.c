@@ -436,16 +436,21 @@ static void choose_floor(epx_group_t group, const epx__bench_options_t *o,
     if (info->rank == 0) {
         size_t bytes = 0;
         context->floor_bw_gbps = epx__bench_floor_bandwidth(device, &bytes);
-        context->floor_source =
-            bytes == EPX__BENCH_FLOOR_COPY_BYTES
-                ? "measured: 2 GiB device-to-device copy on rank 0 alone, read + write counted"
-            : bytes > 0 && cuda ? "measured: 256 MiB device-to-device copy on rank 0 alone (2 GiB "
-                                  "could not be allocated), read + write counted"
-            : bytes > 0         ? "measured: 256 MiB memcpy on rank 0, read + write counted"
-            : cuda ? "assumed (the copy could not be measured): an H200's HBM copy bandwidth"
-                   : "could not allocate 256 MiB to measure memcpy";
-        if (bytes == 0 && cuda)
+        if (bytes == EPX__BENCH_FLOOR_COPY_BYTES)
+            context->floor_source =
+                "measured: 2 GiB device-to-device copy on rank 0 alone, read + write counted";
+        else if (bytes > 0 && cuda)
+            context->floor_source = "measured: 256 MiB device-to-device copy on rank 0 alone "
+                                    "(2 GiB could not be allocated), read + write counted";
+        else if (bytes > 0)
+            context->floor_source = "measured: 256 MiB memcpy on rank 0, read + write counted";
+        else if (cuda) {
             context->floor_bw_gbps = CUDA_FLOOR_ASSUMED_GBPS;
+            context->floor_source =
+                "assumed (the copy could not be measured): an H200's HBM copy bandwidth";
+        } else {
+            context->floor_source = "could not allocate 256 MiB to measure memcpy";
+        }
     } else {
         context->floor_source = "measured on rank 0";
     }
