@@ -223,48 +223,50 @@ __device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t tar
  * kernels used the first, the low-latency kernels the second, and this keeps both.
  * `flag` is a __shared__ int of the calling kernel (a function-scope __shared__ here
  * would make the host compiler emit C++ static-guard calls into a C program).
+ *
+ * kSystem false: the barrier of a kernel whose writes no other rank reads (the one-node
+ * combine: it loads peers' rows and writes only this rank's output), with thread 0's
+ * fences at GPU scope and no per-thread fence (epx_last_block_reader). What the finish
+ * exchange's release store (system scope) must order before it is every block's loads
+ * from peers, whose values the block has summed and stored before it arrives; the block
+ * barrier and thread 0's GPU-scope release on the counter, acquired by the last block,
+ * carry them to the thread that stores the flag, and a release is cumulative over what
+ * its thread has observed, whatever scope it observed it at. The output rows are read
+ * after the kernel, in stream order.
  */
-__device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
+template <bool kSystem>
+__device__ __forceinline__ int epx_last_block_scoped(uint32_t *counter, int *flag)
 {
-    epx_fence_acq_rel_sys();
+    if (kSystem)
+        epx_fence_acq_rel_sys();
     __syncthreads();
     if (threadIdx.x == 0) {
-        epx_fence_acq_rel_sys();
+        if (kSystem)
+            epx_fence_acq_rel_sys();
+        else
+            epx_fence_acq_rel_gpu();
         uint32_t arrived = atomicAdd(counter, 1u);
         *flag = arrived == gridDim.x - 1;
         if (*flag) {
             atomicExch(counter, 0u);
-            epx_fence_acq_rel_sys();
+            if (kSystem)
+                epx_fence_acq_rel_sys();
+            else
+                epx_fence_acq_rel_gpu();
         }
     }
     __syncthreads();
     return *flag;
 }
 
-/*
- * The last-block barrier of a kernel whose writes no other rank reads (the one-node
- * combine: it loads peers' rows and writes only this rank's output): as epx_last_block,
- * with fences at GPU scope. What the finish exchange's release store (system scope) must
- * order before it is every block's loads from peers, whose values the block has summed
- * and stored before it arrives; the block barrier and thread 0's GPU-scope release on
- * the counter, acquired by the last block, carry them to the thread that stores the
- * flag, and a release is cumulative over what its thread has observed, whatever scope
- * it observed it at. The output rows are read after the kernel, in stream order.
- */
+__device__ __forceinline__ int epx_last_block(uint32_t *counter, int *flag)
+{
+    return epx_last_block_scoped<true>(counter, flag);
+}
+
 __device__ __forceinline__ int epx_last_block_reader(uint32_t *counter, int *flag)
 {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        epx_fence_acq_rel_gpu();
-        uint32_t arrived = atomicAdd(counter, 1u);
-        *flag = arrived == gridDim.x - 1;
-        if (*flag) {
-            atomicExch(counter, 0u);
-            epx_fence_acq_rel_gpu();
-        }
-    }
-    __syncthreads();
-    return *flag;
+    return epx_last_block_scoped<false>(counter, flag);
 }
 
 /*
