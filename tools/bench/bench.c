@@ -436,6 +436,7 @@ static void choose_floor(epx_group_t group, const epx__bench_options_t *o,
     if (info->rank == 0) {
         size_t bytes = 0;
         context->floor_bw_gbps = epx__bench_floor_bandwidth(device, &bytes);
+        context->floor_copy_bytes = bytes;
         if (bytes == EPX__BENCH_FLOOR_COPY_BYTES)
             context->floor_source =
                 "measured: 2 GiB device-to-device copy on rank 0 alone, read + write counted";

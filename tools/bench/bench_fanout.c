@@ -27,10 +27,10 @@
  * Each row: rank 0's median, the slowest rank's median, every rank's bytes read +
  * written (fan-out: each source row once + each copy; fan-in: each term read + each
  * output row once; the same count), GB/s (those bytes over the slowest median), GB/s per SM, and the fraction of
- * the copy bandwidth: measured by rank 0 alone once the rows are allocated
- * (epx__bench_floor_bandwidth: cudaMemcpyAsync of 2 GiB, as tests/gpu/cuda_normal
- * measures it; before 2026-12-05 of 256 MiB, which measures 3-5% less), and the floor's
- * bandwidth (measured the same way at the start, unless given).
+ * the copy bandwidth: measured by rank 0 alone (epx__bench_floor_bandwidth:
+ * cudaMemcpyAsync of 2 GiB, as tests/gpu/cuda_normal measures it; before 2026-12-05 of
+ * 256 MiB, which measures 3-5% less), the floor's own measurement at the start unless
+ * --floor-bw gave the floor, and the floor's bandwidth.
  * Nothing makes the ranks' copies overlap (no rank waits for another inside one), so
  * when they start apart each runs partly alone and bytes / slowest overstates the
  * bandwidth (past the floor: 2026-12-04, 16 SMs a rank); each row also gives the span,
@@ -326,11 +326,17 @@ int epx__bench_fanout_run(epx_group_t group, const epx__bench_options_t *options
     epx__bench_must(b.rank, epx__bench_alloc(device, (size_t)options->tokens * row_bytes, &b.dst),
                     "bench allocation");
 
-    /* Rank 0 measures the copy bandwidth while the others wait. */
-    epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
-    if (b.rank == 0)
-        b.copy_gbps = epx__bench_floor_bandwidth(device, &b.copy_bytes);
-    epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
+    /* The copy bandwidth: the floor's, measured at the start (bench.c), or, when the
+     * floor was given, measured here by rank 0 while the others wait. */
+    if (options->floor_bw_gbps > 0) {
+        epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
+        if (b.rank == 0)
+            b.copy_gbps = epx__bench_floor_bandwidth(device, &b.copy_bytes);
+        epx__bench_must(b.rank, epx_group_barrier(group), "epx_group_barrier");
+    } else if (b.rank == 0 && context->floor_copy_bytes > 0) {
+        b.copy_gbps = context->floor_bw_gbps;
+        b.copy_bytes = context->floor_copy_bytes;
+    }
 
     if (b.rank == 0 && !options->json)
         print_header(&b);

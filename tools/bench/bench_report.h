@@ -46,6 +46,7 @@ typedef struct {
     int auto_register; /* normal: combine_copy's x mapped on demand (--auto-register) */
     double floor_bw_gbps;     /* 0 = unknown (floor columns print "-") */
     const char *floor_source; /* how floor_bw_gbps was obtained */
+    size_t floor_copy_bytes;  /* rank 0: the copy that measured it; 0 = given or assumed */
 } epx__bench_context_t;
 
 /* Check results. */
