@@ -375,7 +375,12 @@ static cudaError_t epx_launch_early(void (*kernel)(Params...), dim3 grid, dim3 b
     config.dynamicSmemBytes = smem;
     config.stream = stream;
     config.attrs = &early;
+    /* A build may set -DEPX_NO_EARLY to launch plainly (A/B of the boundaries). */
+#ifdef EPX_NO_EARLY
+    config.numAttrs = 0;
+#else
     config.numAttrs = 1;
+#endif
     return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
