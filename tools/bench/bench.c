@@ -64,6 +64,9 @@ static const char bench_usage[] =
     "                    fp8 dispatch only): fp8 when only fp8 is dispatched, else bf16\n"
     "  --warmup N        untimed iterations (normal: host 1, cuda 5; ll: host 2, cuda 10)\n"
     "  --iters N         timed iterations (normal: host 3, cuda 30; ll: host 20, cuda 100)\n"
+    "  --back-to-back N  normal: after the table, N cached dispatches, then N combines and N\n"
+    "                    registered combines, each run back to back between one pair of\n"
+    "                    events, timed a call (0: off; cuda: the iterations, host: 0)\n"
     "  --seed N          input seed (1)\n"
     "  --alignment N     per-expert count alignment, normal mode (1)\n"
     "  --register-mb N   normal: allocate combine_registered's tensor at least N MiB\n"
@@ -262,6 +265,7 @@ static int parse_options(int argc, char **argv, epx__bench_options_t *o, char *l
             {"--topk", 1, 1 << 20, NULL, &o->topk},
             {"--warmup", 0, 1 << 24, NULL, &o->warmup},
             {"--iters", 1, 1 << 24, NULL, &o->iters},
+            {"--back-to-back", 0, 1 << 24, NULL, &o->back_to_back},
             {"--alignment", 1, 1 << 20, NULL, &o->alignment},
             {"--sms", 0, 1024, NULL, &o->sms},
             {"-n", 1, 1 << 20, NULL, &o->num_ranks},
@@ -475,10 +479,12 @@ static int run_normal(epx_group_t group, const epx__bench_options_t *o,
             continue;
         epx__bench_row_t rows[EPX__BENCH_OP_COUNT];
         failed |= epx__bench_run_case(group, o, device, dtypes[d], context->warmup,
-                                      context->iters, rows);
+                                      context->iters, context->back_to_back, rows);
         if (rank == 0) {
             for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
                 epx__bench_print_row(stdout, context, &rows[op], o->json);
+            if (!o->json)
+                epx__bench_print_back_to_back(stdout, context, rows, EPX__BENCH_OP_COUNT);
         }
         if (nodes) {
             epx__bench_nodes_report(group, o->tokens, o->hidden, o->experts, o->topk, o->sms,
@@ -548,6 +554,7 @@ static int run(const epx__bench_options_t *o)
     context.sms = !cuda ? 0 : o->sms > 0 ? o->sms : (int)epx__tool_param_int("EPX_NUM_SMS");
     context.warmup = warmup;
     context.iters = iters;
+    context.back_to_back = ll ? 0 : o->back_to_back >= 0 ? o->back_to_back : cuda ? iters : 0;
     choose_floor(group, o, &info, &device, &context);
 
     int failed = o->soak.duration_s > 0 ? epx__bench_soak_run(group, o, &device)
@@ -567,7 +574,7 @@ int epx__command_bench(int argc, char **argv)
     /* tokens 0 and dtypes -1: the chosen mode's standard case (apply_mode_defaults). */
     epx__bench_options_t options = {
         .mode = EPX__BENCH_MODE_NORMAL, .tokens = 0, .hidden = 7168, .experts = 256,
-        .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .seed = 1,
+        .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .back_to_back = -1, .seed = 1,
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
         .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID, .ranks_per_node = 0,

@@ -31,6 +31,7 @@ typedef struct {
     int run_fp8;
     int warmup; /* -1 = the backend's default */
     int iters;  /* -1 = the backend's default */
+    int back_to_back; /* normal: calls timed back to back; -1 = the backend's default */
     uint64_t seed;
     int alignment;
     int sms; /* 0 = EPX_NUM_SMS */
@@ -71,13 +72,15 @@ epx_buffer_config_t epx__bench_buffer_config(const epx__bench_options_t *options
 
 /*
  * Run one dispatch dtype collectively: run every op once (and check it against the
- * oracle with --check), then time `warmup` + `iters` iterations. Fills rows[op] (rank
- * 0's times, bytes of every rank, checks combined over every rank). Returns 1 when some
+ * oracle with --check), then time `warmup` + `iters` iterations, then (back_to_back > 0)
+ * the cached dispatch, the combine and the registered combine `back_to_back` calls each
+ * in a row. Fills rows[op] (rank 0's times, bytes of every rank, checks combined over
+ * every rank, the back-to-back times a call of the slowest rank). Returns 1 when some
  * rank's check failed, else 0. An epx call that fails ends the process (status 1).
  */
 int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device, epx_dtype_t dtype, int warmup, int iters,
-                        epx__bench_row_t rows[EPX__BENCH_OP_COUNT]);
+                        int back_to_back, epx__bench_row_t rows[EPX__BENCH_OP_COUNT]);
 
 /*
  * The low-latency mode (bench_ll.c): for each dispatch dtype asked for, run the ops once

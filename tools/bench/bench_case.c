@@ -564,6 +564,40 @@ static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX
     }
 }
 
+/*
+ * The cached dispatch, the combine (x in the buffer) and the registered combine, each
+ * `calls` times in a row between one pair of events after a barrier, with no host wait
+ * and no event between the calls: per_call[op] = this rank's time / calls (0 for the ops
+ * not run so). Between operations that make every rank end together (each waits for its
+ * peers at its end), a rank's next kernels start as soon as its stream allows; with
+ * events between them, as in the table, each also waits for the event.
+ */
+static void run_back_to_back(bench_case_t *bc, int calls, double per_call[EPX__BENCH_OP_COUNT])
+{
+    for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+        per_call[op] = 0;
+    epx_dispatch_result_t result, cached;
+    run_dispatch(bc, NULL, &result);
+    const epx__bench_op_t ops[] = {EPX__BENCH_OP_CACHED_DISPATCH, EPX__BENCH_OP_COMBINE,
+                                   EPX__BENCH_OP_COMBINE_REGISTERED};
+    for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++) {
+        epx__bench_must(bc->rank, epx_group_barrier(bc->group), "epx_group_barrier");
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 0), "timestamp");
+        for (int c = 0; c < calls; c++) {
+            if (ops[i] == EPX__BENCH_OP_CACHED_DISPATCH)
+                run_dispatch(bc, result.handle, &cached);
+            else
+                run_combine(bc, result.handle, ops[i]);
+        }
+        epx__bench_must(bc->rank, epx__bench_mark(bc->device, 1), "timestamp");
+        double elapsed = 0;
+        epx__bench_must(bc->rank, epx__bench_elapsed_us(bc->device, 2, &elapsed),
+                        "reading timestamps");
+        per_call[ops[i]] = elapsed / calls;
+    }
+    epx__bench_must(bc->rank, epx_handle_destroy(result.handle), "epx_handle_destroy");
+}
+
 static int64_t row_bytes(const bench_case_t *bc, epx__bench_op_t op)
 {
     int64_t hidden = bc->moe.hidden;
@@ -615,7 +649,7 @@ static int64_t floor_bytes(const bench_case_t *bc, epx__bench_op_t op, int64_t r
 
 int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
                         epx__bench_device_t *device, epx_dtype_t dtype, int warmup, int iters,
-                        epx__bench_row_t rows[EPX__BENCH_OP_COUNT])
+                        int back_to_back, epx__bench_row_t rows[EPX__BENCH_OP_COUNT])
 {
     bench_case_t bc;
     memset(&bc, 0, sizeof(bc));
@@ -652,6 +686,22 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     allgather(&bc, &mine, all, sizeof(mine), "gathering check results");
     run_timed(&bc, warmup, iters, times);
     gather_slowest(&bc, times, iters, slowest);
+    double back[EPX__BENCH_OP_COUNT], slowest_back[EPX__BENCH_OP_COUNT];
+    memset(slowest_back, 0, sizeof(slowest_back));
+    if (back_to_back > 0) {
+        run_back_to_back(&bc, back_to_back, back);
+        double *every = calloc((size_t)bc.world_size * EPX__BENCH_OP_COUNT, sizeof(double));
+        if (every == NULL) {
+            fprintf(stderr, "epx bench: rank %d: out of memory\n", bc.rank);
+            exit(1);
+        }
+        allgather(&bc, back, every, sizeof(back), "gathering back-to-back times");
+        for (int r = 0; r < bc.world_size; r++)
+            for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
+                if (every[r * EPX__BENCH_OP_COUNT + op] > slowest_back[op])
+                    slowest_back[op] = every[r * EPX__BENCH_OP_COUNT + op];
+        free(every);
+    }
 
     int failed = 0;
     for (int op = 0; op < EPX__BENCH_OP_COUNT; op++) {
@@ -672,6 +722,7 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
         }
         row->total_bytes = received * row_bytes(&bc, (epx__bench_op_t)op);
         row->floor_bytes = floor_bytes(&bc, (epx__bench_op_t)op, received);
+        row->back_to_back_us = slowest_back[op];
         failed |= row->check == EPX__BENCH_CHECK_FAIL;
         free(times[op]);
         free(slowest[op]);

@@ -261,7 +261,36 @@ static void print_json_row(FILE *out, const epx__bench_context_t *context,
     epx__bench_print_json_number(out, "slowest_median_us", row->slowest_us);
     epx__bench_print_json_traffic(out, context, row->bytes_per_rank, row->total_bytes,
                                   row->floor_bytes, row->median_us, row->slowest_us);
+    if (row->back_to_back_us > 0) {
+        epx__bench_print_json_number(out, "back_to_back_us", row->back_to_back_us);
+        epx__bench_print_json_number(
+            out, "back_to_back_floor_over_time",
+            epx__bench_floor_over_time(epx__bench_floor_us(context, row), row->back_to_back_us));
+    }
     epx__bench_print_json_check_end(out, row->check);
+}
+
+void epx__bench_print_back_to_back(FILE *out, const epx__bench_context_t *context,
+                                   const epx__bench_row_t *rows, int count)
+{
+    int any = 0;
+    for (int i = 0; i < count; i++) {
+        const epx__bench_row_t *row = &rows[i];
+        if (row->back_to_back_us <= 0)
+            continue;
+        if (!any)
+            fprintf(out, "# back to back (%d calls of each between one pair of events, no "
+                         "event between the calls): the slowest rank's time a call\n",
+                    context->back_to_back);
+        any = 1;
+        double floor_us = epx__bench_floor_us(context, row);
+        fprintf(out, "#   %-5s %-18s %10.1f us  floor/time ", epx__bench_dtype_text(row->dtype),
+                epx__bench_op_name(row->op), row->back_to_back_us);
+        epx__bench_print_number(out, 4, 2, epx__bench_floor_over_time(floor_us, row->back_to_back_us),
+                                "-");
+        fputc('\n', out);
+    }
+    fflush(out);
 }
 
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,

@@ -43,6 +43,7 @@ typedef struct {
     int sms; /* SMs per rank of the GPU kernels; 0 on the CPU backend (not printed) */
     int warmup;
     int iters;
+    int back_to_back; /* normal: calls a back-to-back run times (0: none) */
     int auto_register; /* normal: combine_copy's x mapped on demand (--auto-register) */
     double floor_bw_gbps;     /* 0 = unknown (floor columns print "-") */
     const char *floor_source; /* how floor_bw_gbps was obtained */
@@ -66,6 +67,9 @@ typedef struct {
     /* Bytes all ranks must read and write together (epx__bench_floor_bytes); 0 = no floor. */
     int64_t floor_bytes;
     int check;              /* EPX__BENCH_CHECK_* (combined over ranks) */
+    /* The slowest rank's time a call when the op ran back to back (epx bench
+     * --back-to-back); 0 = not run so. */
+    double back_to_back_us;
 } epx__bench_row_t;
 
 /* Median (mean of the middle two for an even count) and nearest-rank p99. Sorts. */
@@ -119,6 +123,9 @@ void epx__bench_print_header(FILE *out, const epx__bench_context_t *context);
 void epx__bench_print_sms(FILE *out, const epx__bench_context_t *context);
 void epx__bench_print_floor_header(FILE *out, const epx__bench_context_t *context,
                                    const char *what);
+/* After a dtype's table: the rows timed back to back (back_to_back_us > 0), if any. */
+void epx__bench_print_back_to_back(FILE *out, const epx__bench_context_t *context,
+                                   const epx__bench_row_t *rows, int count);
 void epx__bench_print_row(FILE *out, const epx__bench_context_t *context,
                           const epx__bench_row_t *row, int json);
 /* The JSON fields of a row's traffic, the same in both modes: its bytes, GB/s per rank
