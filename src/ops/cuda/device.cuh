@@ -224,9 +224,13 @@ __device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t tar
  * `flag` is a __shared__ int of the calling kernel (a function-scope __shared__ here
  * would make the host compiler emit C++ static-guard calls into a C program).
  *
- * kSystem false: the barrier of a kernel whose writes no other rank reads (the one-node
- * combine: it loads peers' rows and writes only this rank's output), with thread 0's
- * fences at GPU scope and no per-thread fence (epx_last_block_reader). What the finish
+ * kSystem false (epx_last_block_reader): thread 0's fences at GPU scope and no per-thread
+ * fence, for a kernel whose blocks publish nothing to other ranks through this barrier:
+ * the one-node combine (it loads peers' rows and writes only this rank's output), and
+ * low-latency kernels 2's dispatch send and combine receive (each block publishes its
+ * own rows with a system-scope release of its own, nvshmem/ll2_device.cuh; what the last
+ * block then publishes it publishes with system-scope releases or a system fence, which
+ * are cumulative over what it has observed). For the one-node combine, what the finish
  * exchange's release store (system scope) must order before it is every block's loads
  * from peers, whose values the block has summed and stored before it arrives; the block
  * barrier and thread 0's GPU-scope release on the counter, acquired by the last block,

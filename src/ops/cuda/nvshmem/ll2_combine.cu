@@ -442,7 +442,7 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     }
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_REDUCED);
 
-    if (!epx_ll2_last_block(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
+    if (!epx_last_block_reader(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
         return;
     /* Every block is done reading the expert ranks' memory: their slot is free. Every
      * block read the counters' bases and the sequence number before counting itself.

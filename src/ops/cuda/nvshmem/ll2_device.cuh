@@ -123,30 +123,6 @@ __device__ __forceinline__ int epx_ll2_wait_count(const epx_ll_shape_t &s, const
     return epx_ll_wait(counter, target, s.mask, s.world, peer, s.fail, s.timeout_ns, stage);
 }
 
-/*
- * The last-block handshake of a grid whose blocks publish nothing through it to other
- * ranks by themselves: returns nonzero in the last block to arrive, after which that
- * block's threads see every other block's writes at GPU scope (each block's thread 0
- * fences after the block barrier, then counts; the last one fences after counting). What
- * the last block then publishes to peers it publishes with release operations at system
- * scope, which are cumulative over what it has observed. Resets the counter.
- */
-__device__ __forceinline__ int epx_ll2_last_block(uint32_t *counter, int *flag)
-{
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        uint32_t arrived = atomicAdd(counter, 1u);
-        *flag = arrived == gridDim.x - 1;
-        if (*flag) {
-            atomicExch(counter, 0u);
-            __threadfence();
-        }
-    }
-    __syncthreads();
-    return *flag;
-}
-
 /* ---------------------------------------------------------------- scans */
 
 /*

@@ -478,7 +478,7 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
                 reinterpret_cast<uint64_t *>(peer + c.slot_base + s.arrival) + c.me,
                 (uint64_t)m.rows_block[r]);
     }
-    if (!epx_ll2_last_block(s.arrive + c.slot * 4 + EPX_LL_ARRIVE_DISPATCH_SEND, &last)) {
+    if (!epx_last_block_reader(s.arrive + c.slot * 4 + EPX_LL_ARRIVE_DISPATCH_SEND, &last)) {
         epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_SENT);
         return;
     }
