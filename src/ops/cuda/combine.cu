@@ -14,7 +14,10 @@
  * weights, when combined, were copied into the combine-weights region.
  *
  * Roles: a one-block ready kernel publishes this rank's input and waits for every
- * peer's (so at most one block per rank spins, whatever the SM budget). In the pull
+ * peer's (so at most one block per rank spins, whatever the SM budget); it is launched
+ * early (epx_launch_early), so after an operation whose finish exchange lets it (a
+ * combine or a dispatch on this stream) it is already on an SM when that one ends, and
+ * waits there for its end before it reads anything. In the pull
  * kernel every warp is a reducer: one token at a time (its first by index, the next by
  * ticket as it frees up, epx_ticket_take: a token has 1-8 source ranks), lanes split the
  * row into 16-byte vectors, kGroup sources x kUnroll vectors of loads in flight per lane.
@@ -90,6 +93,9 @@ __device__ __forceinline__ void combine_trace_at(const epx__cuda_shape_t &s, int
 __global__ void __launch_bounds__(64) epx_combine_ready_kernel(epx__cuda_shape_t s,
                                                                epx__cuda_combine_args_t a)
 {
+    /* Launched early (epx_launch_early): the previous kernel on the stream (perhaps a
+     * combine whose pull kernel still takes tickets) ends first. */
+    epx_wait_previous();
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     /* The pull kernel's token tickets start from zero (it reads them only after this
@@ -243,8 +249,8 @@ extern "C" cudaError_t epx__cuda_launch_combine(const epx__cuda_shape_t *shape,
                                                 const epx__cuda_combine_args_t *args,
                                                 cudaStream_t stream)
 {
-    epx_combine_ready_kernel<<<1, 64, 0, stream>>>(*shape, *args);
-    cudaError_t err = cudaGetLastError();
+    cudaError_t err =
+        epx_launch_early(epx_combine_ready_kernel, dim3(1), dim3(64), 0, stream, *shape, *args);
     if (err != cudaSuccess)
         return err;
     if (args->kernels == EPX_CUDA_KERNELS_BULK) {

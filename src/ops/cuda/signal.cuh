@@ -208,10 +208,18 @@ __device__ __forceinline__ uint64_t *epx_slot_flag(epx__cuda_slot_t *slot, size_
  * The tail of a data kernel, run by its last block (epx_last_block): raise this rank's
  * flag for operation `seq` at every peer (release), wait for every peer's (acquire, with
  * the timeout, failures recorded under `stage`), then mark the operation finished here.
+ * Every other block has ended, so the next operation's first kernel, when launched early
+ * (epx_launch_early: the combine's ready kernel, one block of 64 threads), may be
+ * scheduled now and wait for this one's end on its SM instead of being launched after it.
+ * The finish exchange makes every rank end at the same moment, and with 8 ranks on one
+ * GPU under MPS the launches that follow come 3.5 us apart a rank; launched early, 8
+ * back-to-back combines start within 1 us (docs/PERFORMANCE.md, "The staircase of starts
+ * is MPS's, whatever the launch").
  */
 __device__ __forceinline__ void epx_finish_exchange(const epx__cuda_shape_t &s,
                                                     size_t flag_offset, uint64_t seq, int stage)
 {
+    epx_let_next_start();
     const int R = s.world_size, me = s.rank;
     for (int r = threadIdx.x; r < R; r += blockDim.x)
         epx_st_release_sys(epx_slot_flag(epx_slot(s, r, me), flag_offset), seq);
