@@ -1,7 +1,7 @@
 """scripts/normal-trace on hand-made traces of 2 ranks (the file layout of
 src/ops/cuda/launch.h, EPX_NORMAL_TRACE): the printed phases are checked against what
 was written, a combine that one rank did not stamp whole is left out, and --first /
---every pick the calls."""
+--every / --count pick the calls."""
 import os
 import struct
 import subprocess
@@ -78,6 +78,8 @@ def main():
             assert v[name] == want, (name, v[name], want)
         out, _ = run(script, prefix, "--first", "1", "--every", "2")
         assert "2 ranks, 3 combines (calls 1-5)" in out, out
+        out, _ = run(script, prefix, "--first", "1", "--every", "2", "--count", "2")
+        assert "2 ranks, 2 combines (calls 1-3)" in out, out
         bad = subprocess.run([sys.executable, script, os.path.join(tmp, "none")],
                              capture_output=True, text=True)
         assert bad.returncode != 0 and "no " in bad.stderr, bad.stderr
