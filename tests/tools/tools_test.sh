@@ -329,8 +329,41 @@ assert sorted({(r["dtype"], r["op"]) for r in rows}) == sorted(
     (d, o) for d in ("bf16", "fp8")
     for o in ("layout", "dispatch", "cached_dispatch", "combine", "combine_copy",
               "combine_registered", "combine_weights"))
+# The CPU backend runs nothing back to back unless asked.
+assert all("back_to_back_us" not in row for row in rows), rows
 PY
     fi
+    expect_count 'back to back' out 0
+    # --back-to-back N: the cached dispatch and the two in-place combines N times each in
+    # a row, after the table, a line each; in JSON a key on those rows only.
+    run "$EPX" bench -n 2 --tokens 32 --hidden 128 --experts 4 --topk 2 --dtype bf16 --check \
+        --iters 1 --back-to-back 2
+    expect_rc 0
+    expect_count ' PASS$' out 7
+    expect_count '^# back to back (2 calls of each between one pair of events' out 1
+    for op in cached_dispatch combine combine_registered; do
+        expect_count "^#   bf16  $op  *[0-9.]* us  floor/time [0-9.]*$" out 1
+    done
+    expect_count '^#   bf16  ' out 3
+    run "$EPX" bench -n 2 --tokens 32 --hidden 128 --experts 4 --topk 2 --dtype bf16 \
+        --iters 1 --back-to-back 2 --json
+    expect_rc 0
+    if command -v python3 >/dev/null 2>&1; then
+        python3 - "$TMP/out" <<'PY' || fail "back-to-back JSON keys are not where they should be"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+timed = {r["op"] for r in rows if "back_to_back_us" in r}
+assert timed == {"cached_dispatch", "combine", "combine_registered"}, timed
+for r in rows:
+    if "back_to_back_us" in r:
+        assert r["back_to_back_us"] > 0, r
+        ratio = r["floor_us"] / r["back_to_back_us"]
+        assert abs(r["back_to_back_floor_over_time"] - ratio) <= 1e-4 * ratio, r
+PY
+    fi
+    run "$EPX" bench -n 2 --tokens 32 --hidden 128 --experts 4 --topk 2 --back-to-back -1
+    expect_rc 2
+    expect_err "bad value for --back-to-back: '-1'"
     ;;
 bench_fanout)
     # The copy of dispatch alone: every variant once per dtype, bytes as documented; the
