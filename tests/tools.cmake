@@ -46,4 +46,9 @@ if(Python3_Interpreter_FOUND)
   add_test(NAME tools.normal_trace
            COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tools/test_normal_trace.py)
   set_tests_properties(tools.normal_trace PROPERTIES TIMEOUT 60)
+  # scripts/normal-bars (the bars beside gpu-check's benches), on a CPU-backend bench.
+  add_test(NAME tools.normal_bars
+           COMMAND ${Python3_EXECUTABLE} ${CMAKE_CURRENT_LIST_DIR}/tools/test_normal_bars.py
+                   $<TARGET_FILE:epx_tool>)
+  set_tests_properties(tools.normal_bars PROPERTIES TIMEOUT 300)
 endif()
