@@ -574,7 +574,8 @@ int epx__command_bench(int argc, char **argv)
     /* tokens 0 and dtypes -1: the chosen mode's standard case (apply_mode_defaults). */
     epx__bench_options_t options = {
         .mode = EPX__BENCH_MODE_NORMAL, .tokens = 0, .hidden = 7168, .experts = 256,
-        .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1, .back_to_back = -1, .seed = 1,
+        .topk = 8, .run_bf16 = -1, .run_fp8 = -1, .warmup = -1, .iters = -1,
+        .back_to_back = -1, .seed = 1,
         .alignment = 1, .sms = 0, .backend = EPX_BACKEND_AUTO, .check = 0, .json = 0,
         .floor_bw_gbps = 0, .num_ranks = 0, .timeout_s = 600, .use_mps = 0,
         .round_scale = 0, .use_ue8m0 = 0, .ll_dtype = EPX_DTYPE_INVALID, .ranks_per_node = 0,
