@@ -286,8 +286,8 @@ void epx__bench_print_back_to_back(FILE *out, const epx__bench_context_t *contex
         double floor_us = epx__bench_floor_us(context, row);
         fprintf(out, "#   %-5s %-18s %10.1f us  floor/time ", epx__bench_dtype_text(row->dtype),
                 epx__bench_op_name(row->op), row->back_to_back_us);
-        epx__bench_print_number(out, 4, 2, epx__bench_floor_over_time(floor_us, row->back_to_back_us),
-                                "-");
+        epx__bench_print_number(
+            out, 4, 2, epx__bench_floor_over_time(floor_us, row->back_to_back_us), "-");
         fputc('\n', out);
     }
     fflush(out);
