@@ -686,21 +686,17 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     allgather(&bc, &mine, all, sizeof(mine), "gathering check results");
     run_timed(&bc, warmup, iters, times);
     gather_slowest(&bc, times, iters, slowest);
+    /* Back to back: one time a call per op, the slowest rank's as for an iteration. */
     double back[EPX__BENCH_OP_COUNT], slowest_back[EPX__BENCH_OP_COUNT];
     memset(slowest_back, 0, sizeof(slowest_back));
     if (back_to_back > 0) {
         run_back_to_back(&bc, back_to_back, back);
-        double *every = calloc((size_t)bc.world_size * EPX__BENCH_OP_COUNT, sizeof(double));
-        if (every == NULL) {
-            fprintf(stderr, "epx bench: rank %d: out of memory\n", bc.rank);
-            exit(1);
+        double *back_of[EPX__BENCH_OP_COUNT], *slowest_of[EPX__BENCH_OP_COUNT];
+        for (int op = 0; op < EPX__BENCH_OP_COUNT; op++) {
+            back_of[op] = &back[op];
+            slowest_of[op] = &slowest_back[op];
         }
-        allgather(&bc, back, every, sizeof(back), "gathering back-to-back times");
-        for (int r = 0; r < bc.world_size; r++)
-            for (int op = 0; op < EPX__BENCH_OP_COUNT; op++)
-                if (every[r * EPX__BENCH_OP_COUNT + op] > slowest_back[op])
-                    slowest_back[op] = every[r * EPX__BENCH_OP_COUNT + op];
-        free(every);
+        gather_slowest(&bc, back_of, 1, slowest_of);
     }
 
     int failed = 0;
