@@ -306,6 +306,10 @@ __global__ void __launch_bounds__(EPX_CUDA_NOTIFY_THREADS)
     __shared__ int32_t running[EPX_CUDA_MAX_RANKS];
     __shared__ int32_t tile_counts[EPX_CUDA_MAX_RANKS];
     __shared__ int any_bad, tile, last, stop;
+    /* One block may be launched early (epx__cuda_launch_notify): the kernel before it on
+     * the stream (perhaps the last block of a combine or a dispatch, in its finish
+     * exchange) ends first. */
+    epx_wait_previous();
     const int R = s.world_size, me = s.rank;
     const uint64_t seq = epx_op_seq(s);
     const int parity = (int)(seq & 1u);
@@ -402,6 +406,15 @@ extern "C" cudaError_t epx__cuda_launch_notify(const epx__cuda_shape_t *shape,
     /* A fresh scan: a block per round of tokens, within the SM budget and the tiles. */
     const int fresh = args->topk_idx != NULL || args->is_token_in_rank != NULL;
     const int64_t blocks = fresh ? epx__cuda_scan_blocks(args->num_tokens, args->max_blocks) : 1;
+    /* One block (a cached dispatch's, or a scan of few tokens) is launched early: placed
+     * while the operation before it ends in its last block, so it takes one SM where that
+     * operation has just freed all its others, and back-to-back dispatches start together
+     * instead of on MPS's staircase (docs/PERFORMANCE.md, "Launched early: the low-latency
+     * kernels and the one-block count exchange"). A scan of several blocks of 1024 threads
+     * is launched plainly: placed early, they could hold SMs a late peer's blocks need. */
+    if (blocks == 1)
+        return epx_launch_early(epx_notify_kernel, dim3(1), dim3(EPX_CUDA_NOTIFY_THREADS), smem,
+                                stream, *shape, *args);
     epx_notify_kernel<<<(int)blocks, EPX_CUDA_NOTIFY_THREADS, smem, stream>>>(*shape, *args);
     return cudaGetLastError();
 }

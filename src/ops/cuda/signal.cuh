@@ -209,7 +209,8 @@ __device__ __forceinline__ uint64_t *epx_slot_flag(epx__cuda_slot_t *slot, size_
  * flag for operation `seq` at every peer (release), wait for every peer's (acquire, with
  * the timeout, failures recorded under `stage`), then mark the operation finished here.
  * Every other block has ended, so the next operation's first kernel, when launched early
- * (epx_launch_early: the combine's ready kernel, one block of 64 threads), may be
+ * (epx_launch_early: the combine's ready kernel, one block of 64 threads, or a one-block
+ * count exchange of 1024 threads, which takes one of the SMs this kernel freed), may be
  * scheduled now and wait for this one's end on its SM instead of being launched after it.
  * The finish exchange makes every rank end at the same moment, and with 8 ranks on one
  * GPU under MPS the launches that follow come 3.5 us apart a rank; launched early, 8

@@ -534,6 +534,8 @@ template <int kLoads>
 __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_ll_op_t op, int run,
                                                           int stages)
 {
+    /* Launched early (epx_launch_early): the kernel before it on the stream ends first. */
+    epx_wait_previous();
     /* wait_recv_cost_stats count from the start of the launch that receives (a call
      * without EPX_LL_SEND_ONLY: the call's, as in the dispatch). */
     const uint64_t start = op.wait_stats != NULL ? epx_globaltimer() : 0;
@@ -544,16 +546,18 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) combine(epx_ll_shape_t s, epx_
         const int moves = combine_moves(s, op);
         if (fused && !moves && blockIdx.x == 0) {
             combine_flags_and_recv<kLoads>(s, op, seq, stages, start);
-            return;
-        }
-        combine_send(s, op, seq, fused);
-        if (fused) {
-            __syncthreads();
-            combine_recv<kLoads>(s, op, seq, 1, stages, start, 0, !moves);
+        } else {
+            combine_send(s, op, seq, fused);
+            if (fused) {
+                __syncthreads();
+                combine_recv<kLoads>(s, op, seq, 1, stages, start, 0, !moves);
+            }
         }
     } else {
         combine_recv<kLoads>(s, op, epx_ll_seq(s, op.slot, 1), 0, stages, start);
     }
+    /* Past its last wait: the next kernel may be placed (ll2_device.cuh, "Launched early"). */
+    epx_let_next_start();
 }
 } // namespace ll2
 } // namespace epx
@@ -605,6 +609,6 @@ extern "C" int epx_ll2_launch_combine(const epx_ll_shape_t *s, const epx_ll_op_t
     /* A send alone that moves no row is one block's work (flags). */
     const int blocks = (run == EPX_LL_RUN_SEND && !combine_moves(*s, *op)) ? 1 : s->blocks;
     void (*kernel)(epx_ll_shape_t, epx_ll_op_t, int, int) = combine_kernel(s->combine_recv);
-    kernel<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run, s->stages);
-    return (int)cudaGetLastError();
+    return (int)epx_launch_early(kernel, dim3((unsigned)blocks), dim3(EPX_LL_THREADS), smem,
+                                 (cudaStream_t)stream, *s, *op, run, s->stages);
 }

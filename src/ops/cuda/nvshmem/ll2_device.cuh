@@ -21,6 +21,12 @@
  * - The counters are cumulative (never cleared): the receiver keeps, in its own device
  *   memory, how far it has counted (shape.arrived / combine_arrived), and the sender
  *   says in the count exchange how many units this operation adds.
+ *
+ * Launched early: both kernels go out with epx_launch_early (device.cuh), wait for the
+ * kernel before them on the stream before anything else, and let the next one be placed
+ * only at their end, after every wait of theirs. A block waiting to start holds an SM, so
+ * it must never do so while this rank still waits for a peer whose blocks are not placed
+ * yet: after the last wait, this rank needs nothing more from any peer.
  */
 #ifndef EPX_OPS_CUDA_NVSHMEM_LL2_DEVICE_CUH
 #define EPX_OPS_CUDA_NVSHMEM_LL2_DEVICE_CUH

@@ -666,6 +666,8 @@ namespace epx {
 namespace ll2 {
 __global__ void __launch_bounds__(EPX_LL_THREADS) dispatch(epx_ll_shape_t s, epx_ll_op_t op, int run)
 {
+    /* Launched early (epx_launch_early): the kernel before it on the stream ends first. */
+    epx_wait_previous();
     /* wait_recv_cost_stats count from the start of the launch that receives: a call
      * without EPX_LL_SEND_ONLY is one launch, whose send already waits for the lower
      * ranks' counts (step 3), and that wait is theirs too. */
@@ -681,6 +683,8 @@ __global__ void __launch_bounds__(EPX_LL_THREADS) dispatch(epx_ll_shape_t s, epx
     } else {
         dispatch_recv(s, op, epx_ll_seq(s, op.slot, 0), start);
     }
+    /* Past its last wait: the next kernel may be placed (ll2_device.cuh, "Launched early"). */
+    epx_let_next_start();
 }
 } // namespace ll2
 } // namespace epx
@@ -690,6 +694,6 @@ extern "C" int epx_ll2_launch_dispatch(const epx_ll_shape_t *s, const epx_ll_op_
 {
     size_t smem = epx_ll2_dispatch_smem(s->num_experts, s->topk, s->world, run);
     int blocks = (run & EPX_LL_RUN_SEND) ? s->blocks : 1;
-    epx::ll2::dispatch<<<blocks, EPX_LL_THREADS, smem, (cudaStream_t)stream>>>(*s, *op, run);
-    return (int)cudaGetLastError();
+    return (int)epx_launch_early(epx::ll2::dispatch, dim3((unsigned)blocks), dim3(EPX_LL_THREADS),
+                                 smem, (cudaStream_t)stream, *s, *op, run);
 }
