@@ -29,7 +29,7 @@ def check(epx, script, floor_bw):
         m = re.match(r"^#\s+(bf16|fp8)\s+(\w+)\s+[0-9.]+ us\s+floor/time ([0-9.]+)$", line)
         if m:
             back[(m.group(1), m.group(2))] = float(m.group(3))
-    assert len(table) == 12 and len(back) == 6, (table, back)
+    assert len(table) == 12 and len(back) == 8, (table, back)
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "bench.log")
         with open(log, "w") as f:

@@ -81,8 +81,10 @@ static void run_layout(bench_case_t *bc)
                     "epx_get_dispatch_layout");
 }
 
-/* Fresh dispatch when `cached` is NULL, else cached mode with that handle. */
-static void run_dispatch(bench_case_t *bc, epx_handle_t cached, epx_dispatch_result_t *result)
+/* Fresh dispatch when `cached` is NULL, else cached mode with that handle; `flags`
+ * EPX_DISPATCH_* (EPX_DISPATCH_WORST_CASE: no host wait). */
+static void run_dispatch_flags(bench_case_t *bc, epx_handle_t cached, uint32_t flags,
+                               epx_dispatch_result_t *result)
 {
     epx_dispatch_args_t args = EPX_DISPATCH_ARGS_INIT;
     args.x = epx_tensor_2d(bc->x, bc->moe.dtype, bc->moe.num_tokens, bc->moe.hidden);
@@ -97,10 +99,16 @@ static void run_dispatch(bench_case_t *bc, epx_handle_t cached, epx_dispatch_res
     } else {
         args.handle = cached;
     }
+    args.flags = flags;
     epx_dispatch_result_t fresh = EPX_DISPATCH_RESULT_INIT;
     *result = fresh;
     epx__bench_must(bc->rank, epx_dispatch(bc->buffer, &args, result, bc->device->stream),
                     cached == NULL ? "epx_dispatch" : "epx_dispatch (cached)");
+}
+
+static void run_dispatch(bench_case_t *bc, epx_handle_t cached, epx_dispatch_result_t *result)
+{
+    run_dispatch_flags(bc, cached, 0, result);
 }
 
 /* The combine-input view for `handle` (the same memory for every handle of the buffer). */
@@ -565,12 +573,14 @@ static void run_timed(bench_case_t *bc, int warmup, int iters, double *times[EPX
 }
 
 /*
- * The cached dispatch, the combine (x in the buffer) and the registered combine, each
- * `calls` times in a row between one pair of events after a barrier, with no host wait
- * and no event between the calls: per_call[op] = this rank's time / calls (0 for the ops
- * not run so). Between operations that make every rank end together (each waits for its
- * peers at its end), a rank's next kernels start as soon as its stream allows; with
- * events between them, as in the table, each also waits for the event.
+ * The fresh dispatch without a host wait (EPX_DISPATCH_WORST_CASE, each handle destroyed
+ * at once: its memory is reused in stream order), the cached dispatch, the combine (x in
+ * the buffer) and the registered combine, each `calls` times in a row between one pair
+ * of events after a barrier, with no host wait and no event between the calls:
+ * per_call[op] = this rank's time / calls (0 for the ops not run so). Between operations
+ * that make every rank end together (each waits for its peers at its end), a rank's next
+ * kernels start as soon as its stream allows; with events between them, as in the
+ * table, each also waits for the event.
  */
 static void run_back_to_back(bench_case_t *bc, int calls, double per_call[EPX__BENCH_OP_COUNT])
 {
@@ -578,16 +588,21 @@ static void run_back_to_back(bench_case_t *bc, int calls, double per_call[EPX__B
         per_call[op] = 0;
     epx_dispatch_result_t result, cached;
     run_dispatch(bc, NULL, &result);
-    const epx__bench_op_t ops[] = {EPX__BENCH_OP_CACHED_DISPATCH, EPX__BENCH_OP_COMBINE,
-                                   EPX__BENCH_OP_COMBINE_REGISTERED};
+    const epx__bench_op_t ops[] = {EPX__BENCH_OP_DISPATCH, EPX__BENCH_OP_CACHED_DISPATCH,
+                                   EPX__BENCH_OP_COMBINE, EPX__BENCH_OP_COMBINE_REGISTERED};
     for (size_t i = 0; i < sizeof(ops) / sizeof(ops[0]); i++) {
         epx__bench_must(bc->rank, epx_group_barrier(bc->group), "epx_group_barrier");
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 0), "timestamp");
         for (int c = 0; c < calls; c++) {
-            if (ops[i] == EPX__BENCH_OP_CACHED_DISPATCH)
+            if (ops[i] == EPX__BENCH_OP_DISPATCH) {
+                epx_dispatch_result_t worst;
+                run_dispatch_flags(bc, NULL, EPX_DISPATCH_WORST_CASE, &worst);
+                epx__bench_must(bc->rank, epx_handle_destroy(worst.handle), "epx_handle_destroy");
+            } else if (ops[i] == EPX__BENCH_OP_CACHED_DISPATCH) {
                 run_dispatch(bc, result.handle, &cached);
-            else
+            } else {
                 run_combine(bc, result.handle, ops[i]);
+            }
         }
         epx__bench_must(bc->rank, epx__bench_mark(bc->device, 1), "timestamp");
         double elapsed = 0;

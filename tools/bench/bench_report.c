@@ -280,7 +280,8 @@ void epx__bench_print_back_to_back(FILE *out, const epx__bench_context_t *contex
             continue;
         if (!any)
             fprintf(out, "# back to back (%d calls of each between one pair of events, no "
-                         "event between the calls): the slowest rank's time a call\n",
+                         "event between the calls; dispatch: fresh, without a host wait, "
+                         "EPX_DISPATCH_WORST_CASE): the slowest rank's time a call\n",
                     context->back_to_back);
         any = 1;
         double floor_us = epx__bench_floor_us(context, row);
