@@ -41,6 +41,10 @@ def main():
         prefix = os.path.join(tmp, "t")
         for rank in (0, 1):
             write(prefix, rank, steps=5)
+        # A file beside the traces that is not one (scripts/gpu-check writes its summary
+        # there) is left alone.
+        with open(prefix + ".txt", "w") as f:
+            f.write("not a trace\n")
         out = subprocess.run([sys.executable, script, prefix], check=True, capture_output=True,
                              text=True).stdout
         print(out)
