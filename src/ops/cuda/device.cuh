@@ -241,22 +241,23 @@ __device__ __forceinline__ int epx_spin_until(const uint64_t *flag, uint64_t tar
 template <bool kSystem>
 __device__ __forceinline__ int epx_last_block_scoped(uint32_t *counter, int *flag)
 {
-    if (kSystem)
-        epx_fence_acq_rel_sys();
-    __syncthreads();
-    if (threadIdx.x == 0) {
+    /* Thread 0's fence, at the barrier's scope. */
+    auto fence = [] {
         if (kSystem)
             epx_fence_acq_rel_sys();
         else
             epx_fence_acq_rel_gpu();
+    };
+    if (kSystem)
+        epx_fence_acq_rel_sys();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        fence();
         uint32_t arrived = atomicAdd(counter, 1u);
         *flag = arrived == gridDim.x - 1;
         if (*flag) {
             atomicExch(counter, 0u);
-            if (kSystem)
-                epx_fence_acq_rel_sys();
-            else
-                epx_fence_acq_rel_gpu();
+            fence();
         }
     }
     __syncthreads();
