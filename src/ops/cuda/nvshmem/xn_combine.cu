@@ -76,21 +76,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const uint64_t seq = epx_op_seq(s);
     if (epx_failed(s))
         return;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
-        x_base[p] = epx_peer_x(s, first_local + p, slot);
-        x_stride[p] = slot->ready_stride;
-        x_rows[p] = slot->ready_rows;
-    }
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
-    __syncthreads();
+    epx_xn_combine_sources(s, a, x_base, x_stride, x_rows, first_record);
 
     char *own = epx_xn_own(s);
     const int lane = epx_lane(), warp = epx_warp();

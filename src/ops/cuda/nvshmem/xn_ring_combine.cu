@@ -138,25 +138,10 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     __shared__ int32_t first_record[EPX_CUDA_MAX_RANKS + 1];
     __shared__ int last;
 
-    const int N = s.num_nodes, P = s.ranks_per_node;
-    const int me = s.rank, first_local = epx_xn_node(s, me) * P;
+    const int N = s.num_nodes;
     if (epx_failed(s))
         return;
-    for (int p = threadIdx.x; p < P; p += blockDim.x) {
-        const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
-        x_base[p] = epx_peer_x(s, first_local + p, slot);
-        x_stride[p] = slot->ready_stride;
-        x_rows[p] = slot->ready_rows;
-    }
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
-    __syncthreads();
+    epx_xn_combine_sources(s, a, x_base, x_stride, x_rows, first_record);
 
     const epx_xn_sources_t x = {x_base, x_stride, x_rows};
     const epx_xn_role_t role = epx_xn_ring_role();
