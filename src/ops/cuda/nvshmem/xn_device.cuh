@@ -38,6 +38,23 @@ __device__ __forceinline__ int epx_xn_partner(const epx__cuda_shape_t &s, int no
 }
 
 /*
+ * Thread 0: where each node's records begin in the forwarded-record order (node order,
+ * node n's `node_in[n]` records each), first_record[N] = all of them. The caller syncs.
+ */
+__device__ __forceinline__ void epx_xn_first_records(const int32_t *node_in, int num_nodes,
+                                                     int32_t *first_record)
+{
+    if (threadIdx.x != 0)
+        return;
+    int32_t total = 0;
+    for (int node = 0; node < num_nodes; node++) {
+        first_record[node] = total;
+        total += node_in[node];
+    }
+    first_record[num_nodes] = total;
+}
+
+/*
  * The symmetric address (this rank's own copy) of the field at `offset` in the slot that
  * rank `writer` owns in every control area: passed to NVSHMEM with the target PE, it
  * names that field in the target's control area.

@@ -197,14 +197,7 @@ __global__ void __launch_bounds__(EPX_CUDA_THREADS)
     const int K = s.num_topk, me = s.rank, my_node = epx_xn_node(s, me);
     if (!epx_dispatch_enter(s, peers, bases))
         return;
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
+    epx_xn_first_records(a.xn.node_in, N, first_record);
     __syncthreads();
 
     char *own = epx_xn_own(s);

@@ -174,22 +174,14 @@ __device__ __forceinline__ void epx_xn_combine_sources(const epx__cuda_shape_t &
                                                        const char **x_base, int64_t *x_stride,
                                                        int64_t *x_rows, int32_t *first_record)
 {
-    const int N = s.num_nodes, P = s.ranks_per_node;
-    const int me = s.rank, first_local = epx_xn_node(s, me) * P;
+    const int P = s.ranks_per_node, me = s.rank, first_local = epx_xn_node(s, me) * P;
     for (int p = threadIdx.x; p < P; p += blockDim.x) {
         const volatile epx__cuda_slot_t *slot = epx_slot(s, me, first_local + p);
         x_base[p] = epx_peer_x(s, first_local + p, slot);
         x_stride[p] = slot->ready_stride;
         x_rows[p] = slot->ready_rows;
     }
-    if (threadIdx.x == 0) {
-        int32_t total = 0;
-        for (int node = 0; node < N; node++) {
-            first_record[node] = total;
-            total += a.xn.node_in[node];
-        }
-        first_record[N] = total;
-    }
+    epx_xn_first_records(a.xn.node_in, s.num_nodes, first_record);
     __syncthreads();
 }
 
