@@ -36,20 +36,14 @@
 #include <string>
 #include <vector>
 
+#define EPX_MICROBENCH_NAME "epx_ll_access"
+#include "check_cuda.h"
+
 namespace {
 
 constexpr int kRowBytes = 14336, kFp8RowBytes = 7168, kTopk = 8, kTokens = 128;
 constexpr int kLocalExperts = 32, kRowsPerExpert = 1024, kThreads = 512;
 constexpr int kLaunches = 300;
-
-#define CHECK_CUDA(call)                                                                   \
-    do {                                                                                   \
-        cudaError_t err_ = (call);                                                         \
-        if (err_ != cudaSuccess) {                                                         \
-            fprintf(stderr, "epx_ll_access: %s: %s\n", #call, cudaGetErrorString(err_));   \
-            exit(1);                                                                       \
-        }                                                                                  \
-    } while (0)
 
 /* The block's tokens: a contiguous range, as the low-latency kernels split them. */
 __device__ __forceinline__ void block_tokens(int *t0, int *t1)

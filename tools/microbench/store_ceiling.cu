@@ -33,19 +33,13 @@
 #include <algorithm>
 #include <vector>
 
+#define EPX_MICROBENCH_NAME "epx_store_ceiling"
+#include "check_cuda.h"
+
 namespace {
 
 constexpr int kRowBytes = 14336, kRows = 32768, kThreads = 512, kLaunches = 5;
 constexpr int kUnits = kRowBytes / 16;
-
-#define CHECK_CUDA(call)                                                                      \
-    do {                                                                                      \
-        cudaError_t err_ = (call);                                                            \
-        if (err_ != cudaSuccess) {                                                            \
-            fprintf(stderr, "epx_store_ceiling: %s: %s\n", #call, cudaGetErrorString(err_));  \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
 
 /* Destinations of row i: 5, or 6 for every fourth row. */
 __host__ __device__ __forceinline__ int fanout_of(int64_t i)
