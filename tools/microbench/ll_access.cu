@@ -15,6 +15,12 @@
  *            threads a block);
  *   scatter: the dispatch's send: a warp loads 512 bytes of a 7,168-byte source row and
  *            stores them to the token's 8 rows; 4 such loads a lane in flight;
+ *   gather as the combine: the combine receive's own loop (ll2_combine.cu,
+ *            reduce_batch_loads) on bf16 rows: a warp takes a (token, 512-channel) unit,
+ *            each lane 16 channels as two 16-byte pieces 256 channels apart, loads the
+ *            unit's 8 rows (16 loads a lane) before it adds any, one fp32 fused
+ *            multiply-add per channel and row with the row's weight, and stores bf16; the
+ *            block's row addresses and weights are in shared memory first, as there;
  *   gather through a ring: the gather's units, but each lane's 8 loads are asynchronous
  *            copies (`cp.async`, 16 bytes) into a ring of S slots per warp in shared
  *            memory (192 KiB a block), the warp adding unit i while units i + 1 ..
@@ -25,6 +31,7 @@
  *   epx_ll_access RANK RANKS DIR   (DIR: a directory the processes share, for the IPC
  *                                   handles and the barriers between patterns)
  */
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -94,6 +101,70 @@ __global__ void __launch_bounds__(kThreads) gather(const char *const *rows, char
                 add_int4(sum, v[d][j]);
             reinterpret_cast<int4 *>(out + (size_t)t * kRowBytes + piece * 512)[lane] = sum;
         }
+    }
+}
+
+/* acc[i] += w * (bf16 i of v), i = 0..7, in fp32 (the combine's epx_bf16x8_fma). */
+__device__ __forceinline__ void fma_bf16x8(float *acc, float w, const int4 &v)
+{
+    const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        acc[2 * i] = fmaf(w, __uint_as_float(words[i] << 16), acc[2 * i]);
+        acc[2 * i + 1] = fmaf(w, __uint_as_float(words[i] & 0xffff0000u), acc[2 * i + 1]);
+    }
+}
+
+__device__ __forceinline__ int4 to_bf16x8(const float *acc)
+{
+    int4 packed;
+    __nv_bfloat16 *o = reinterpret_cast<__nv_bfloat16 *>(&packed);
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        o[i] = __float2bfloat16_rn(acc[i]);
+    return packed;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    gather_fma(const char *const *rows, const float *weights, char *out)
+{
+    constexpr int kChannels = kRowBytes / 2, kChunks = kChannels / 512;
+    constexpr int kMaxBlockEntries = kTokens * kTopk; /* a block may hold every token */
+    __shared__ const char *row[kMaxBlockEntries];
+    __shared__ float weight[kMaxBlockEntries];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    int t0, t1;
+    block_tokens(&t0, &t1);
+    for (int i = threadIdx.x; i < (t1 - t0) * kTopk; i += blockDim.x) {
+        row[i] = rows[t0 * kTopk + i];
+        weight[i] = weights[t0 * kTopk + i];
+    }
+    __syncthreads();
+    const int units = (t1 - t0) * kChunks;
+    for (int u = warp; u < units; u += warps) {
+        const int entry = (u / kChunks) * kTopk;
+        const int c0 = (u % kChunks) * 512 + lane * 8, c1 = c0 + 256;
+        int4 raw0[kTopk], raw1[kTopk];
+#pragma unroll
+        for (int j = 0; j < kTopk; j++) {
+            const int4 *r = reinterpret_cast<const int4 *>(row[entry + j]);
+            raw0[j] = __ldcg(r + c0 / 8);
+            raw1[j] = __ldcg(r + c1 / 8);
+        }
+        float acc0[8], acc1[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            acc0[i] = 0.0f;
+            acc1[i] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kTopk; j++) {
+            fma_bf16x8(acc0, weight[entry + j], raw0[j]);
+            fma_bf16x8(acc1, weight[entry + j], raw1[j]);
+        }
+        char *o = out + (size_t)(t0 + u / kChunks) * kRowBytes;
+        reinterpret_cast<int4 *>(o)[c0 / 8] = to_bf16x8(acc0);
+        reinterpret_cast<int4 *>(o)[c1 / 8] = to_bf16x8(acc1);
     }
 }
 
@@ -267,12 +338,18 @@ int main(int argc, char **argv)
     const std::string dir = argv[3];
     const size_t region = (size_t)kLocalExperts * kRowsPerExpert * kRowBytes;
     char *mine, *out, *x, **rows_dev;
+    float *weights;
     CHECK_CUDA(cudaMalloc(&mine, region));
     CHECK_CUDA(cudaMemset(mine, rank + 1, region));
     CHECK_CUDA(cudaMalloc(&out, (size_t)kTokens * kRowBytes));
     CHECK_CUDA(cudaMalloc(&x, (size_t)kTokens * kFp8RowBytes));
     CHECK_CUDA(cudaMemset(x, 3, (size_t)kTokens * kFp8RowBytes));
     CHECK_CUDA(cudaMalloc(&rows_dev, sizeof(char *) * kTokens * kTopk));
+    {
+        const std::vector<float> w(kTokens * kTopk, 0.125f);
+        CHECK_CUDA(cudaMalloc(&weights, sizeof(float) * w.size()));
+        CHECK_CUDA(cudaMemcpy(weights, w.data(), sizeof(float) * w.size(), cudaMemcpyHostToDevice));
+    }
     const std::vector<char *> base = map_regions(mine, rank, ranks, dir);
     /* Blocks per launch: ACCESS_BLOCKS (default 16, the low-latency kernels' SM budget). */
     const char *blocks_env = getenv("ACCESS_BLOCKS");
@@ -305,9 +382,11 @@ int main(int argc, char **argv)
         "scatter to 8 rows, own memory                ", "scatter to 8 rows, peers' memory             ",
         "gather, ring of 3 a warp x 16, own memory    ", "gather, ring of 3 a warp x 16, peers' memory ",
         "gather, ring of 6 a warp x 8, own memory     ", "gather, ring of 6 a warp x 8, peers' memory  ",
-        "gather, ring of 12 a warp x 4, own memory    ", "gather, ring of 12 a warp x 4, peers' memory "};
+        "gather, ring of 12 a warp x 4, own memory    ", "gather, ring of 12 a warp x 4, peers' memory ",
+        "gather as the combine (bf16 FMA), own memory ", "gather as the combine (bf16 FMA), peers' mem."};
     /* Patterns in pairs (own memory, then peers'), one pair per kind. */
-    enum { kGather1, kGather2, kScatter, kGatherAsync, kGatherAsync6, kGatherAsync12, kKinds };
+    enum { kGather1, kGather2, kScatter, kGatherAsync, kGatherAsync6, kGatherAsync12, kGatherFma,
+           kKinds };
     for (int pattern = 0; pattern < 2 * kKinds; pattern++) {
         const int kind = pattern / 2;
         const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
@@ -323,8 +402,10 @@ int main(int argc, char **argv)
                 launch_gather_async<3, 16>(blocks, rows_dev, out);
             else if (kind == kGatherAsync6)
                 launch_gather_async<6, 8>(blocks, rows_dev, out);
-            else
+            else if (kind == kGatherAsync12)
                 launch_gather_async<12, 4>(blocks, rows_dev, out);
+            else
+                gather_fma<<<blocks, kThreads>>>(rows_dev, weights, out);
         };
         for (int i = 0; i < 5; i++)
             launch();
