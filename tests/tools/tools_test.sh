@@ -190,6 +190,10 @@ params_bad_value)
     run env EPX_LL_COMBINE_RECV=3 "$EPX" params
     expect_rc 1
     expect_err 'EPX_LL_COMBINE_RECV=3 is out of range; expected an integer in \[1, 2\]'
+    # How low-latency slots are given back: 1 (done flags) or 2 (inferred).
+    run env EPX_LL_RELEASE=3 "$EPX" params
+    expect_rc 1
+    expect_err 'EPX_LL_RELEASE=3 is out of range; expected an integer in \[1, 2\]'
     ;;
 version)
     run "$EPX" version

@@ -31,7 +31,8 @@
  *                i of each (token, expert) sent, in its source's cells at the receiver)
  *     state:     seq uint64 [2 slots][2] (dispatch, combine; advanced by the send
  *                kernels so CUDA graph replays keep counting), released uint64 [2] (the
- *                last dispatch of the slot whose results this rank gave back), arrive
+ *                last dispatch of the slot whose results this rank gave back), combined
+ *                uint64 [2] (kernels 2: the slot's dispatch at its last combine), arrive
  *                uint32 [2][4] (last-block counters), mask int32 [R] (+ the failure
  *                record's two claim words).
  *   host-mapped: the failure record.
@@ -110,6 +111,7 @@ typedef struct {
     int blocks;       /* the SM budget: grid size of every kernel */
     int kernels;      /* 1: cells packed by the receive; 2: rows placed once (ll2_*.cu) */
     int combine_recv; /* kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV, 1-2) */
+    int release;      /* kernels 2: how slots are given back (EPX_LL_RELEASE: 1 flags, 2 inferred) */
     int stages;       /* kernels 2: the combine receive's copy stages (shared memory; 0 for
                          loads into registers) */
     int use_puts;     /* some peer needs NVSHMEM puts (no direct pointer), or forced */
@@ -133,6 +135,7 @@ typedef struct {
     size_t local_slot_bytes;
     uint64_t *seq;      /* [2 slots][2] */
     uint64_t *released; /* [2 slots] */
+    uint64_t *combined; /* [2 slots] kernels 2: the slot's dispatch seq at its last combine */
     uint32_t *arrive;   /* [2 slots][4] */
     int32_t *mask;      /* [R], then the claims of the failure record's two parts */
     uint64_t *arrived;         /* kernels 2: [2 slots][R] */

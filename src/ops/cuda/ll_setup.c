@@ -32,20 +32,21 @@ static size_t take(size_t *offset, size_t bytes)
 }
 
 /*
- * The device state after the two result slots (offsets from its start): seq [2][2] and
- * released [2] uint64, arrive [2][4] uint32, mask [R + 2] int32 (the last two words claim
- * the failure record's timeout and bad-id parts), the peer table [R] pointers, then
- * (kernels 2; always laid out) arrived and combine_arrived [2][R] uint64.
+ * The device state after the two result slots (offsets from its start): seq [2][2],
+ * released [2] and combined [2] uint64, arrive [2][4] uint32, mask [R + 2] int32 (the
+ * last two words claim the failure record's timeout and bad-id parts), the peer table [R]
+ * pointers, then (kernels 2; always laid out) arrived and combine_arrived [2][R] uint64.
  */
 typedef struct {
-    size_t released, arrive, mask, peers, arrived, combine_arrived, bytes;
+    size_t released, combined, arrive, mask, peers, arrived, combine_arrived, bytes;
 } state_layout_t;
 
 static state_layout_t state_layout(int world)
 {
     state_layout_t l;
     l.released = 4 * sizeof(uint64_t);
-    l.arrive = l.released + 2 * sizeof(uint64_t);
+    l.combined = l.released + 2 * sizeof(uint64_t);
+    l.arrive = l.combined + 2 * sizeof(uint64_t);
     l.mask = l.arrive + 8 * sizeof(uint32_t);
     l.peers = l.mask + (((size_t)world + 2) * sizeof(int32_t) + 7) / 8 * 8;
     l.arrived = l.peers + (size_t)world * sizeof(char *);
@@ -185,12 +186,13 @@ void epx__cuda_nvshmem_release(int healthy)
     epx__nvshmem_user_end(healthy);
 }
 
-/* Kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV), its copy stages and its
- * shared memory (the plugin's prepare). */
+/* Kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV), how slots are given back
+ * (EPX_LL_RELEASE), the receive's copy stages and its shared memory (the plugin's prepare). */
 static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
 {
     epx_ll_shape_t *s = &ll->shape;
     s->combine_recv = (int)epx__param_int(EPX_PARAM_LL_COMBINE_RECV);
+    s->release = (int)epx__param_int(EPX_PARAM_LL_RELEASE);
     int err = ll->plugin->prepare(s);
     if (err != cudaSuccess)
         return EPX_CUDA_ERROR((cudaError_t)err,
@@ -252,6 +254,7 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     state_layout_t layout = state_layout(R);
     s->seq = (uint64_t *)state;
     s->released = (uint64_t *)(state + layout.released);
+    s->combined = (uint64_t *)(state + layout.combined);
     s->arrive = (uint32_t *)(state + layout.arrive);
     s->mask = (int32_t *)(state + layout.mask);
     s->arrived = (uint64_t *)(state + layout.arrived);

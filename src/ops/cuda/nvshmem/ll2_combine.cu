@@ -10,9 +10,12 @@
  * row into the home rank's combine staging [token][top-k position], one put-with-signal
  * per row adding 1 to the home rank's combine arrival counter for that expert rank.
  *
- * Send: wait until the home ranks released this slot's previous combine, then
+ * Send: wait until the home ranks ended the slot's previous combine where it must
+ * (ll2_device.cuh, "slot releases": with done flags every combine but the first, inferred
+ * only a second combine of the slot's dispatch), then
  *   - x already in the combine input, no pushes (the usual case): one block raises the
- *     "outputs ready" flags and gives the step's dispatch results back, nothing else
+ *     "outputs ready" flags and gives the step's dispatch results back (inferred: the
+ *     flags give them back to direct peers), nothing else
  *     (the host launches a single block for a send alone; in a launch that also
  *     receives, warp 0 of block 0 does it while the block's other warps load the
  *     receive's first routing batch);
@@ -25,8 +28,10 @@
  *   then each warp sums (token, 256-channel chunk) units: EPX_LL_COMBINE_RECV=2 (the
  *   default) loads a unit's rows (up to 8, 16 bytes a lane) into registers before it sums
  *   them; 1 streams units through a ring of `stages` cp.async stages of up to 8 rows x 16
- *   bytes per lane, several units' loads in flight while one is summed. The last block (a GPU-scope counter; the releases after
- *   it are cumulative) tells the expert ranks their slot is free. With
+ *   bytes per lane, several units' loads in flight while one is summed. The last block (a
+ *   GPU-scope counter) counts the pushed rows, tells the expert ranks their slot is free
+ *   (done flags; inferred, nothing does: this rank's next dispatch into the slot) and
+ *   advances the sequence number. With
  *   wait_recv_cost_stats, block 0 adds for each expert rank the time from the launch's
  *   start until that rank's wait ended (every block waits for every rank; one counts).
  * A call without EPX_LL_SEND_ONLY runs both in one launch (block 0 sends first; the last
@@ -70,7 +75,13 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
     if (!moves && blockIdx.x != 0)
         return;
-    epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE_DONE, slot, seq - 1, EPX_LL_STAGE_COMBINE_RELEASE, ok);
+    /* Until the homes ended the slot's previous combine (ll2_device.cuh, "slot releases":
+     * inferred, only a second combine of the slot's dispatch waits, after telling). */
+    const int waits = epx_ll2_combine_waits(s, slot, seq);
+    if (waits && blockIdx.x == 0)
+        epx_ll2_tell_combined(s, slot, seq - 1, (int)threadIdx.x, (int)blockDim.x);
+    epx_ll_wait_peers(s, EPX_LL_KIND_COMBINE_DONE, slot, waits ? seq - 1 : 0,
+                      EPX_LL_STAGE_COMBINE_RELEASE, ok);
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_RELEASED);
 
     if (!moves || in_place) {
@@ -85,7 +96,7 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
             epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
         }
         if (!moves) {
-            epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
+            epx_ll2_give_back(s, slot, epx_ll_seq(s, slot, 0));
             if (!fused && threadIdx.x == 0)
                 s.seq[slot * 2 + 1] = seq;
             return;
@@ -134,7 +145,7 @@ __device__ void combine_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
             if (ok[r] && s.peer[r] != NULL)
                 epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
     }
-    epx_ll_give_back(s, slot, epx_ll_seq(s, slot, 0));
+    epx_ll2_give_back(s, slot, epx_ll_seq(s, slot, 0));
     if (!fused && threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
 }
@@ -386,6 +397,50 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
     }
 }
 
+/*
+ * EPX_LL_RELEASE 1, by the receive's last block: tell the expert ranks their slot is free
+ * (COMBINE_DONE) and, when block 0's send left the give-back to the end (give_back: fused,
+ * nothing moved), give the dispatch results back too, behind the same fence: one
+ * system-scope fence for both flags, where a release store each costs a fence each (about
+ * 4 us a fence here, docs/PERFORMANCE.md). ok: the expert ranks that answered.
+ */
+__device__ void tell_done(const epx_ll_shape_t &s, const int32_t *ok, const int32_t *sent_rows,
+                          int slot, uint64_t seq, int give_back)
+{
+    const int R = s.world;
+    const uint64_t give = give_back ? epx_ll_seq(s, slot, 0) : 0;
+    const int giving = give != 0 && epx_ld_volatile_u64(s.released + slot) < give;
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+        const int unmasked = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+        char *peer = s.peer[r];
+        if (peer == NULL) {
+            if (ok[r]) {
+                s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
+                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
+            }
+            if (giving && unmasked)
+                epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, give);
+            continue;
+        }
+        epx_fence_acq_rel_sys();
+        if (ok[r])
+            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
+                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_COMBINE_DONE, slot, s.rank)),
+                                   seq);
+        if (giving && unmasked)
+            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
+                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_DISPATCH_DONE, slot, s.rank)),
+                                   give);
+    }
+    if (giving) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            s.released[slot] = give;
+            s.combined[slot] = give;
+        }
+    }
+}
+
 /* `start`: the global timer at the launch's start (wait_recv_cost_stats). */
 template <int kLoads>
 __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq, int fused,
@@ -444,40 +499,20 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
 
     if (!epx_last_block_reader(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
         return;
-    /* Every block is done reading the expert ranks' memory: their slot is free. Every
-     * block read the counters' bases and the sequence number before counting itself.
-     * When block 0's send left the give-back to the end (give_back: fused, nothing
-     * moved), this block also gives the dispatch results back, behind the same fence:
-     * one system-scope fence for both flags, where a release store each costs a fence
-     * each (about 4 us a fence here, docs/PERFORMANCE.md). */
-    const uint64_t give = give_back ? epx_ll_seq(s, slot, 0) : 0;
-    const int giving = give != 0 && epx_ld_volatile_u64(s.released + slot) < give;
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-        const int unmasked = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
-        char *peer = s.peer[r];
-        if (peer == NULL) {
-            if (m.ok[r]) {
+    /* Every block is done reading the expert ranks' memory, and read the counters' bases
+     * and the sequence number before counting itself. */
+    if (epx_ll2_inferred(s)) {
+        /* Nothing is sent: the expert ranks learn that their slot is free from this rank's
+         * next dispatch into it (ll2_device.cuh, "slot releases"). When block 0's send
+         * left the give-back to the end (give_back: fused, nothing moved), it is
+         * recorded here. */
+        for (int r = threadIdx.x; r < R; r += blockDim.x)
+            if (s.peer[r] == NULL && m.ok[r])
                 s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
-                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
-            }
-            if (giving && unmasked)
-                epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, give);
-            continue;
-        }
-        epx_fence_acq_rel_sys();
-        if (m.ok[r])
-            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
-                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_COMBINE_DONE, slot, s.rank)),
-                                   seq);
-        if (giving && unmasked)
-            epx_ll2_st_relaxed_sys(reinterpret_cast<uint64_t *>(
-                                       peer + epx_ll_flag_offset(s, EPX_LL_KIND_DISPATCH_DONE, slot, s.rank)),
-                                   give);
-    }
-    if (giving) {
-        __syncthreads();
-        if (threadIdx.x == 0)
-            s.released[slot] = give;
+        if (give_back)
+            epx_ll2_give_back(s, slot, epx_ll_seq(s, slot, 0));
+    } else {
+        tell_done(s, m.ok, sent_rows, slot, seq, give_back);
     }
     if (fused && threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
@@ -489,8 +524,9 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
  * (nothing moves in the send): warp 0 waits for the release and raises the "outputs
  * ready" flags, while the other warps load the receive's first routing batch (named
  * barrier 1); then the block receives like every other. The send no longer delays block
- * 0's share of the sums (measured 5 us a step, docs/PERFORMANCE.md). The dispatch results
- * are given back by the receive's last block, with the expert ranks' "done" flags.
+ * 0's share of the sums (measured 5 us a step, docs/PERFORMANCE.md). The receive's last
+ * block gives the dispatch results back (done flags: beside the expert ranks' "done" flags;
+ * inferred: the outputs-ready flags did, it records that).
  */
 template <int kLoads>
 __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uint64_t seq,
@@ -500,9 +536,13 @@ __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_
     const int R = s.world, slot = op.slot;
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_START);
     if (threadIdx.x < 32) {
+        /* The release wait, as the send's. */
+        const int waits = epx_ll2_combine_waits(s, slot, seq);
+        if (waits)
+            epx_ll2_tell_combined(s, slot, seq - 1, (int)threadIdx.x, 32);
         for (int r = threadIdx.x; r < R; r += 32) {
             int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
-            if (alive && seq > 1)
+            if (alive && waits)
                 alive = epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_COMBINE_DONE, slot, r), seq - 1,
                                     s.mask, R, r, s.fail, s.timeout_ns, EPX_LL_STAGE_COMBINE_RELEASE);
             if (alive && s.peer[r] != NULL)

@@ -129,6 +129,122 @@ __device__ __forceinline__ int epx_ll2_wait_count(const epx_ll_shape_t &s, const
     return epx_ll_wait(counter, target, s.mask, s.world, peer, s.fail, s.timeout_ns, stage);
 }
 
+/* ---------------------------------------------------------------- slot releases */
+
+/*
+ * How a slot is given back (EPX_LL_RELEASE, shape.release; every rank the same):
+ *
+ * 1 (the default): "done" flags. The receive's last block of each combine tells every
+ * expert rank that its combine input is free (COMBINE_DONE) and gives the step's dispatch
+ * results back (DISPATCH_DONE), behind one system-scope fence; the next combine of the
+ * slot waits for COMBINE_DONE, the next dispatch into it for DISPATCH_DONE.
+ *
+ * 2: inferred. No flags at the end of a combine, one system-scope release round a step
+ * fewer (about 4 us with 8 processes on one GPU). What those flags said is read from
+ * messages every rank sends anyway:
+ * - The combine input (and, for peers reached by puts, the home's combine staging) of a
+ *   slot is free again once every home rank has ended its combines of the slot's step n.
+ *   A home's reads end with its combine kernel; its dispatch n + 2 (the same slot) comes
+ *   later in its stream and publishes its counts to every rank. An expert rank writes the
+ *   slot's combine input again only after its own dispatch n + 2 has read every
+ *   unmasked source's counts: its caller fills the zero-copy buffer from that dispatch's
+ *   results, and a combine is refused before its dispatch is received. So the first
+ *   combine after a dispatch waits for nothing. A second combine of the same dispatch has
+ *   no dispatch in between: it first tells every peer that its previous combine is done
+ *   (COMBINE_DONE; its kernel ended before this one started), then waits for theirs.
+ * - A receiver is done with a slot's dispatch results when it combines that step (the
+ *   caller's contract). Its combine raises an "outputs ready" flag at every direct peer
+ *   (the homes wait for it before they read), after its last read of those results. A
+ *   sender's own combine of that step has waited for the flag (as a home), so its next
+ *   dispatch into the slot waits for nothing from direct peers. Peers reached by puts
+ *   get no such flag; the combine still gives the results back to them with
+ *   DISPATCH_DONE signals. A step without a combine is given back by the next dispatch
+ *   into its slot, to every peer, as in kernels 1.
+ * The device state `combined` keeps, per slot, the dispatch whose step was combined last,
+ * so that a dispatch knows whether to wait for DISPATCH_DONE and a combine whether it is a
+ * second one. tests/model/ll_slot_release.py explores every interleaving of both forms.
+ */
+
+__device__ __forceinline__ int epx_ll2_inferred(const epx_ll_shape_t &s)
+{
+    return s.release == 2;
+}
+
+/*
+ * Must combine `seq` of `slot` wait until the homes ended the slot's previous combine
+ * (COMBINE_DONE at seq - 1)? With done flags every combine but the first does; inferred,
+ * only a second (or later) combine of the slot's dispatch.
+ */
+__device__ __forceinline__ int epx_ll2_combine_waits(const epx_ll_shape_t &s, int slot, uint64_t seq)
+{
+    if (!epx_ll2_inferred(s))
+        return seq > 1;
+    return epx_ld_volatile_u64(s.combined + slot) == epx_ll_seq(s, slot, 0);
+}
+
+/*
+ * Inferred releases, a second combine's handshake, the first half: tell every unmasked
+ * peer that this rank's combine `done` of the slot has ended (with done flags the previous
+ * combine told them at its end). Threads `first`, + `stride`, ... share the peers.
+ */
+__device__ __forceinline__ void epx_ll2_tell_combined(const epx_ll_shape_t &s, int slot,
+                                                      uint64_t done, int first, int stride)
+{
+    if (!epx_ll2_inferred(s))
+        return;
+    for (int r = first; r < s.world; r += stride)
+        if (!*reinterpret_cast<volatile int32_t *>(s.mask + r))
+            epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, done);
+}
+
+/*
+ * This rank combines the step of dispatch `value` of `slot`: it is done with those
+ * results. With done flags every unmasked peer gets DISPATCH_DONE; inferred, only peers
+ * reached by puts do (direct peers learn it from the outputs-ready flags). Records
+ * `released` (so the next dispatch into the slot does not give it back again) and
+ * `combined`, only after every block of the combine has read `combined`
+ * (epx_ll2_combine_waits). Every thread of one block calls it.
+ */
+__device__ __forceinline__ void epx_ll2_give_back(const epx_ll_shape_t &s, int slot, uint64_t value)
+{
+    if (value == 0 || epx_ld_volatile_u64(s.released + slot) >= value)
+        return;
+    const int direct_too = !epx_ll2_inferred(s);
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x)
+        if ((direct_too || s.peer[r] == NULL) && !*reinterpret_cast<volatile int32_t *>(s.mask + r))
+            epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, value);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        s.released[slot] = value;
+        s.combined[slot] = value;
+    }
+}
+
+/*
+ * ok[r] for the send of dispatch `seq` of `slot`: receiver r unmasked and done with the
+ * slot's previous results: its DISPATCH_DONE flag, except (inferred) when that dispatch
+ * was combined and r is a direct peer: then r's outputs-ready flag of the slot's last
+ * combine says so, and this rank's own receive of that combine waited for it (an
+ * acquire) before the kernels that follow it in its stream, this one among them: nothing
+ * to wait for. Every thread of the block calls it.
+ */
+__device__ __forceinline__ void epx_ll2_wait_released(const epx_ll_shape_t &s, int slot,
+                                                      uint64_t seq, int32_t *ok)
+{
+    const uint64_t previous = seq - 1;
+    const int combined =
+        epx_ll2_inferred(s) && epx_ld_volatile_u64(s.combined + slot) == previous;
+    for (int r = threadIdx.x; r < s.world; r += blockDim.x) {
+        int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
+        if (alive && previous > 0 && !(combined && s.peer[r] != NULL))
+            alive = epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_DISPATCH_DONE, slot, r), previous,
+                                s.mask, s.world, r, s.fail, s.timeout_ns,
+                                EPX_LL_STAGE_DISPATCH_RELEASE);
+        ok[r] = alive;
+    }
+    __syncthreads();
+}
+
 /* ---------------------------------------------------------------- scans */
 
 /*

@@ -12,7 +12,10 @@
  *
  * Send (grid = SM budget; each block a contiguous range of tokens):
  *   1. block 0 gives back this slot's previous results if that step had no combine; all
- *      blocks wait until every unmasked receiver gave the slot back (usually long done);
+ *      blocks wait until every unmasked receiver gave the slot back (usually long done)
+ *      with DISPATCH_DONE; with inferred releases, when the step had a combine, a direct
+ *      peer gave it back with its outputs-ready flag, which this rank's combine already
+ *      waited for (ll2_device.cuh, "slot releases"), so nothing is read from it here;
  *   2. every block counts the rows of all tokens per expert (hist) and those before its
  *      range (before); block b publishes this rank's counts to receivers b, b + grid, ...:
  *      E + 1 tagged words per receiver (the counts, then the units the receiver must see
@@ -334,11 +337,11 @@ __device__ void dispatch_send(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_ROUTED);
     }
 
-    /* 1. Release handshake (as kernels 1). */
+    /* 1. Release handshake: a step without a combine is given back here (as kernels 1);
+     * a combined one was given back by its combine (ll2_device.cuh, "slot releases"). */
     if (blockIdx.x == 0)
         epx_ll_give_back(s, c.slot, seq - 1);
-    epx_ll_wait_peers(s, EPX_LL_KIND_DISPATCH_DONE, c.slot, seq - 1, EPX_LL_STAGE_DISPATCH_RELEASE,
-                      m.ok);
+    epx_ll2_wait_released(s, c.slot, seq, m.ok);
     epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, c.slot, seq, EPX_LL_TR_D_RELEASED);
 
     /* 2. Counts: all tokens, and those before this block's range. */
