@@ -21,8 +21,10 @@ the violation.
 
     python3 tests/model/ll_slot_release.py [--ranks N ...]
 
-Peers are all direct (stores) or all reached by puts; one event per kernel phase, as
-the kernels' blocks end their phases in that order (last-block barriers, flags).
+Links: every peer direct (stores), every other rank reached by puts (EPX_LL_FORCE_PUTS),
+or two nodes, direct inside a node and puts across (the first ranks of the world in the
+first node). One event per kernel phase, as the kernels' blocks end their phases in that
+order (last-block barriers, flags).
 """
 
 import argparse
@@ -32,7 +34,7 @@ from itertools import product
 # One program, run by every rank: (call, step). Steps use slot step % 2. "D": dispatch
 # (send and receive), "DS" / "DR": its send and its receive (EPX_LL_SEND_ONLY); "U": the
 # caller writes the step's zero-copy combine input; "C": combine from that input; "Cx":
-# combine of x copied in (every combine with puts moves rows too).
+# combine of x copied in (every combine moves rows when some peer is reached by puts).
 PROGRAMS = {
     "steady": "D0 U0 C0 D1 U1 C1 D2 U2 C2 D3 U3 C3",
     "two in flight": "D0 D1 U0 C0 U1 C1 D2 D3 U2 C2 U3 C3",
@@ -51,6 +53,9 @@ def parse(program):
         name = word.rstrip("0123456789")
         calls.append((name, int(word[len(name):]) % 2))
     return calls
+
+
+LINKS = ("stores", "puts", "2 nodes")
 
 
 def call_events(name, puts):
@@ -87,9 +92,19 @@ class Model:
     FIELDS = ("flags", "counts", "arrival", "seq", "released", "combined", "using",
               "reading", "op")
 
-    def __init__(self, ranks, puts, release, bug):
-        self.R, self.puts, self.bug = ranks, puts, bug
+    def __init__(self, ranks, links, release, bug):
+        self.R, self.links, self.bug = ranks, links, bug
         self.inferred = release == "inferred"
+        self.puts = any(not self.direct(a, b) for a in range(ranks) for b in range(ranks))
+
+    def direct(self, a, b):
+        """Does rank a reach rank b by stores (else by NVSHMEM puts)?"""
+        if self.links == "stores" or a == b:
+            return True
+        if self.links == "puts":
+            return False
+        half = (self.R + 1) // 2
+        return a // half == b // half
 
     def initial(self):
         return {f: {} for f in self.FIELDS}
@@ -119,7 +134,7 @@ class Model:
             if self.bug == "no release wait":
                 combined = True
             for p in peers:
-                if d - 1 > 0 and not (combined and not self.puts):
+                if d - 1 > 0 and not (combined and self.direct(rank, p)):
                     if flag("DISPATCH_DONE", p, rank) < d - 1:
                         return None
             return s
@@ -212,8 +227,8 @@ class Model:
         only when inferred; records released and combined."""
         if s["released"].get((rank, slot), 0) >= d:
             return
-        if self.puts or not self.inferred:
-            for p in range(self.R):
+        for p in range(self.R):
+            if not self.inferred or not self.direct(rank, p):
                 s["flags"][("DISPATCH_DONE", slot, rank, p)] = d
         s["released"][(rank, slot)] = d
         s["combined"][(rank, slot)] = d
@@ -223,12 +238,12 @@ def freeze(state):
     return tuple(tuple(sorted(state[f].items(), key=repr)) for f in Model.FIELDS)
 
 
-def explore(program, ranks, puts, release, bug=None):
+def explore(program, ranks, links, release, bug=None):
     """Every interleaving of `program` on `ranks` ranks; returns the states seen, raises
     Violation on a broken rule or a wait that can never end."""
-    model = Model(ranks, puts, release, bug)
+    model = Model(ranks, links, release, bug)
     calls = parse(program)
-    events = [[(e, slot) for name, slot in calls for e in call_events(name, puts)]] * ranks
+    events = [[(e, slot) for name, slot in calls for e in call_events(name, model.puts)]] * ranks
     end = tuple(len(events[r]) for r in range(ranks))
     seen = set()
     stack = [((0,) * ranks, model.initial())]
@@ -262,11 +277,13 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 3])
     args = parser.parse_args()
     failures = 0
-    for ranks, release, puts in product(args.ranks, ("flags", "inferred"), (False, True)):
+    for ranks, release, links in product(args.ranks, ("flags", "inferred"), LINKS):
+        if links == "2 nodes" and ranks < 3:
+            continue  # 2 ranks as 2 nodes is "puts"
         for name, program in PROGRAMS.items():
-            label = "%d ranks, %s, %s, %s" % (ranks, release, "puts" if puts else "stores", name)
+            label = "%d ranks, %s, %s, %s" % (ranks, release, links, name)
             try:
-                states = explore(program, ranks, puts, release)
+                states = explore(program, ranks, links, release)
                 print("ok    %-48s %6d states" % (label, states))
             except Violation as error:
                 failures += 1
@@ -274,7 +291,7 @@ def main():
     # The check must catch each deliberate bug in the program that exercises it.
     for bug, name in zip(BUGS, ("combine again", "no combine")):
         try:
-            explore(PROGRAMS[name], 2, False, "inferred", bug)
+            explore(PROGRAMS[name], 2, "stores", "inferred", bug)
             failures += 1
             print("FAIL  with the bug \"%s\", \"%s\" passed: the model misses it" % (bug, name))
         except Violation as error:
