@@ -70,8 +70,8 @@ extern "C" {
 /* 9: the internode kernels take biases and routing by the layout (libepx no longer
  * refuses them across nodes, so an older plugin must not be loaded). 10: xn_tell.
  * 11: epx__cuda_combine_args_t grew (order_topk, order_stride). 12: epx_ll_op_t grew
- * (wait_stats). */
-#define EPX_LL_PLUGIN_ABI 12
+ * (wait_stats). 13: epx_ll_shape_t grew (release, combined: EPX_LL_RELEASE). */
+#define EPX_LL_PLUGIN_ABI 13
 #define EPX_LL_PLUGIN_SYMBOL "epx_ll_plugin_v1"
 
 enum { EPX_LL_KIND_DISPATCH = 0, EPX_LL_KIND_DISPATCH_DONE = 1, EPX_LL_KIND_COMBINE = 2,
