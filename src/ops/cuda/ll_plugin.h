@@ -155,9 +155,9 @@ typedef struct {
  * same places.
  */
 #define EPX_LL_TRACE_CALLS 256
-#define EPX_LL_TRACE_EVENTS 9
+#define EPX_LL_TRACE_EVENTS 10
 enum { EPX_LL_TRACE_DISPATCH = 0, EPX_LL_TRACE_COMBINE = 1 };
-/* Dispatch events (the receive's two are block 0's). */
+/* Dispatch events (the receive's three are block 0's). */
 enum {
     EPX_LL_TR_D_START = 0,     /* kernel entered */
     EPX_LL_TR_D_ROUTED = 1,    /* the routing in shared memory (ids, duplicates marked) */
@@ -167,7 +167,8 @@ enum {
     EPX_LL_TR_D_STORED = 5,    /* the block's rows stored */
     EPX_LL_TR_D_SENT = 6,      /* arrival counted (last block: puts issued too) */
     EPX_LL_TR_D_COUNTS = 7,    /* receive: every source's counts read */
-    EPX_LL_TR_D_ARRIVED = 8    /* receive: every source's rows arrived */
+    EPX_LL_TR_D_BOOKED = 8,    /* receive: recv_count, the layout and the rows' sources written */
+    EPX_LL_TR_D_ARRIVED = 9    /* receive: every source's rows arrived */
 };
 /* Combine events. */
 enum {

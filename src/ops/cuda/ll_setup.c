@@ -217,7 +217,7 @@ static epx_status_t create_trace(epx__cuda_ll_t *ll)
 }
 
 /*
- * Write the trace to <EPX_LL_TRACE>.<rank>: a header of 8 int64 (magic "EPXLLTR2" as
+ * Write the trace to <EPX_LL_TRACE>.<rank>: a header of 8 int64 (magic "EPXLLTR3" as
  * bytes, rank, world, blocks, calls, events, kernels, 0), then the trace's words
  * (ll_plugin.h). Best effort: a failure is logged, never an error.
  */
@@ -227,7 +227,7 @@ static void write_trace(const epx__cuda_ll_t *ll)
     const int64_t fields[7] = {s->rank, s->world, s->blocks, EPX_LL_TRACE_CALLS,
                                EPX_LL_TRACE_EVENTS, s->kernels, 0};
     epx__cuda_trace_write("EPX_LL_TRACE", epx__param_string(EPX_PARAM_LL_TRACE), s->rank,
-                          "EPXLLTR2", fields, ll->trace, epx_ll_trace_words(s->blocks));
+                          "EPXLLTR3", fields, ll->trace, epx_ll_trace_words(s->blocks));
 }
 
 /* Device memory, the peer table and the failure record; zeroes everything. */

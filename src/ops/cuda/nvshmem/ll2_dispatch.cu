@@ -642,6 +642,10 @@ __device__ void dispatch_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, ui
         const int i = g - m.rows_before[e];
         src_rank[(int64_t)e * s.rows + i] = epx_ll_find(m.first + e * (R + 1), R, i);
     }
+    if (s.trace != NULL) { /* uniform in the block */
+        __syncthreads();
+        epx_ll2_trace(s, EPX_LL_TRACE_DISPATCH, slot, seq, EPX_LL_TR_D_BOOKED);
+    }
     /* Every source's rows: its arrival counter at what it announced (the acquire in the
      * wait makes the rows it counted visible; ll2_device.cuh). */
     const uint64_t *arrival = reinterpret_cast<const uint64_t *>(sym + s.arrival);
