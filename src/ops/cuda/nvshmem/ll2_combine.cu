@@ -540,16 +540,18 @@ __device__ void combine_flags_and_recv(const epx_ll_shape_t &s, const epx_ll_op_
         const int waits = epx_ll2_combine_waits(s, slot, seq);
         if (waits)
             epx_ll2_tell_combined(s, slot, seq - 1, (int)threadIdx.x, 32);
-        for (int r = threadIdx.x; r < R; r += 32) {
-            int alive = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
-            if (alive && waits)
-                alive = epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_COMBINE_DONE, slot, r), seq - 1,
-                                    s.mask, R, r, s.fail, s.timeout_ns, EPX_LL_STAGE_COMBINE_RELEASE);
-            if (alive && s.peer[r] != NULL)
-                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
-        }
+        /* Every wait, then every flag: the trace then tells the two apart. A peer that
+         * timed out in its wait is masked there and gets no flag. */
+        for (int r = threadIdx.x; r < R && waits; r += 32)
+            if (!*reinterpret_cast<volatile int32_t *>(s.mask + r))
+                (void)epx_ll_wait(epx_ll_own_flag(s, EPX_LL_KIND_COMBINE_DONE, slot, r), seq - 1,
+                                  s.mask, R, r, s.fail, s.timeout_ns, EPX_LL_STAGE_COMBINE_RELEASE);
         __syncwarp();
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_RELEASED);
+        for (int r = threadIdx.x; r < R; r += 32)
+            if (!*reinterpret_cast<volatile int32_t *>(s.mask + r) && s.peer[r] != NULL)
+                epx_ll_signal(s, r, EPX_LL_KIND_COMBINE, slot, seq);
+        __syncwarp();
         epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_SIGNALLED);
     } else {
         const int64_t T = op.tokens, first = min(T, (T + gridDim.x - 1) / gridDim.x);
