@@ -2,7 +2,8 @@
  * What the kernels-2 low-latency kernels (ll2_dispatch.cu, ll2_combine.cu) add to
  * ll_device.cuh: tagged words (the count exchange), cumulative arrival counters raised
  * with system-scope release reductions, a last-block handshake without system fences,
- * a warp scan, and asynchronous copies into shared memory.
+ * how slots are given back (EPX_LL_RELEASE), a warp scan, and asynchronous copies into
+ * shared memory.
  *
  * Memory ordering, in one place (each use points here):
  * - A tagged word is (tag << 32) | value, written with one 64-bit store to a direct peer
