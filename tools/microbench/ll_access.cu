@@ -21,6 +21,9 @@
  *            unit's 8 rows (16 loads a lane) before it adds any, one fp32 fused
  *            multiply-add per channel and row with the row's weight, and stores bf16; the
  *            block's row addresses and weights are in shared memory first, as there;
+ *            and the same with the next unit's loads issued before a unit is summed, in
+ *            blocks of 256 threads (two units' registers do not fit 512: the same
+ *            loads in flight per SM, half of them behind a sum);
  *   gather through a ring: the gather's units, but each lane's 8 loads are asynchronous
  *            copies (`cp.async`, 16 bytes) into a ring of S slots per warp in shared
  *            memory (192 KiB a block), the warp adding unit i while units i + 1 ..
@@ -125,10 +128,52 @@ __device__ __forceinline__ int4 to_bf16x8(const float *acc)
     return packed;
 }
 
-__global__ void __launch_bounds__(kThreads)
+/* One (token, 512-channel) unit of gather_fma: its rows' two 16-byte pieces a lane. */
+struct fma_unit_t {
+    int4 lo[kTopk], hi[kTopk];
+};
+
+__device__ __forceinline__ void fma_load(fma_unit_t &v, const char *const *row, int u, int lane)
+{
+    constexpr int kChunks = kRowBytes / 2 / 512;
+    const int entry = (u / kChunks) * kTopk, c0 = (u % kChunks) * 512 + lane * 8;
+#pragma unroll
+    for (int j = 0; j < kTopk; j++) {
+        const int4 *r = reinterpret_cast<const int4 *>(row[entry + j]);
+        v.lo[j] = __ldcg(r + c0 / 8);
+        v.hi[j] = __ldcg(r + (c0 + 256) / 8);
+    }
+}
+
+__device__ __forceinline__ void fma_sum(const fma_unit_t &v, const float *weight, int t0, int u,
+                                        int lane, char *out)
+{
+    constexpr int kChunks = kRowBytes / 2 / 512;
+    const int entry = (u / kChunks) * kTopk, c0 = (u % kChunks) * 512 + lane * 8;
+    float acc0[8], acc1[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        acc0[i] = 0.0f;
+        acc1[i] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kTopk; j++) {
+        fma_bf16x8(acc0, weight[entry + j], v.lo[j]);
+        fma_bf16x8(acc1, weight[entry + j], v.hi[j]);
+    }
+    char *o = out + (size_t)(t0 + u / kChunks) * kRowBytes;
+    reinterpret_cast<int4 *>(o)[c0 / 8] = to_bf16x8(acc0);
+    reinterpret_cast<int4 *>(o)[(c0 + 256) / 8] = to_bf16x8(acc1);
+}
+
+/* kAhead: also the next unit's loads in flight while a unit is summed, in blocks of half
+ * the threads (two units' registers do not fit 512 threads: they would spill), so the
+ * loads in flight per SM stay those of the plain form. */
+template <bool kAhead>
+__global__ void __launch_bounds__(kAhead ? kThreads / 2 : kThreads)
     gather_fma(const char *const *rows, const float *weights, char *out)
 {
-    constexpr int kChannels = kRowBytes / 2, kChunks = kChannels / 512;
+    constexpr int kChunks = kRowBytes / 2 / 512;
     constexpr int kMaxBlockEntries = kTokens * kTopk; /* a block may hold every token */
     __shared__ const char *row[kMaxBlockEntries];
     __shared__ float weight[kMaxBlockEntries];
@@ -141,30 +186,28 @@ __global__ void __launch_bounds__(kThreads)
     }
     __syncthreads();
     const int units = (t1 - t0) * kChunks;
-    for (int u = warp; u < units; u += warps) {
-        const int entry = (u / kChunks) * kTopk;
-        const int c0 = (u % kChunks) * 512 + lane * 8, c1 = c0 + 256;
-        int4 raw0[kTopk], raw1[kTopk];
-#pragma unroll
-        for (int j = 0; j < kTopk; j++) {
-            const int4 *r = reinterpret_cast<const int4 *>(row[entry + j]);
-            raw0[j] = __ldcg(r + c0 / 8);
-            raw1[j] = __ldcg(r + c1 / 8);
+    if (!kAhead) {
+        for (int u = warp; u < units; u += warps) {
+            fma_unit_t v;
+            fma_load(v, row, u, lane);
+            fma_sum(v, weight, t0, u, lane, out);
         }
-        float acc0[8], acc1[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            acc0[i] = 0.0f;
-            acc1[i] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < kTopk; j++) {
-            fma_bf16x8(acc0, weight[entry + j], raw0[j]);
-            fma_bf16x8(acc1, weight[entry + j], raw1[j]);
-        }
-        char *o = out + (size_t)(t0 + u / kChunks) * kRowBytes;
-        reinterpret_cast<int4 *>(o)[c0 / 8] = to_bf16x8(acc0);
-        reinterpret_cast<int4 *>(o)[c1 / 8] = to_bf16x8(acc1);
+        return;
+    }
+    /* Two units' registers in turn: unit u is summed while unit u + warps loads. */
+    fma_unit_t a, b;
+    if (warp < units)
+        fma_load(a, row, warp, lane);
+    for (int u = warp; u < units; u += 2 * warps) {
+        const int v = u + warps;
+        if (v < units)
+            fma_load(b, row, v, lane);
+        fma_sum(a, weight, t0, u, lane, out);
+        if (v >= units)
+            break;
+        if (v + warps < units)
+            fma_load(a, row, v + warps, lane);
+        fma_sum(b, weight, t0, v, lane, out);
     }
 }
 
@@ -383,10 +426,11 @@ int main(int argc, char **argv)
         "gather, ring of 3 a warp x 16, own memory    ", "gather, ring of 3 a warp x 16, peers' memory ",
         "gather, ring of 6 a warp x 8, own memory     ", "gather, ring of 6 a warp x 8, peers' memory  ",
         "gather, ring of 12 a warp x 4, own memory    ", "gather, ring of 12 a warp x 4, peers' memory ",
-        "gather as the combine (bf16 FMA), own memory ", "gather as the combine (bf16 FMA), peers' mem."};
+        "gather as the combine (bf16 FMA), own memory ", "gather as the combine (bf16 FMA), peers' mem.",
+        "as the combine, next unit ahead, own memory  ", "as the combine, next unit ahead, peers' mem. "};
     /* Patterns in pairs (own memory, then peers'), one pair per kind. */
     enum { kGather1, kGather2, kScatter, kGatherAsync, kGatherAsync6, kGatherAsync12, kGatherFma,
-           kKinds };
+           kGatherFmaAhead, kKinds };
     for (int pattern = 0; pattern < 2 * kKinds; pattern++) {
         const int kind = pattern / 2;
         const std::vector<char *> &rows = pattern % 2 ? peer_rows : own_rows;
@@ -404,8 +448,10 @@ int main(int argc, char **argv)
                 launch_gather_async<6, 8>(blocks, rows_dev, out);
             else if (kind == kGatherAsync12)
                 launch_gather_async<12, 4>(blocks, rows_dev, out);
+            else if (kind == kGatherFma)
+                gather_fma<false><<<blocks, kThreads>>>(rows_dev, weights, out);
             else
-                gather_fma<<<blocks, kThreads>>>(rows_dev, weights, out);
+                gather_fma<true><<<blocks, kThreads / 2>>>(rows_dev, weights, out);
         };
         for (int i = 0; i < 5; i++)
             launch();
