@@ -78,6 +78,7 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
     CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
     CHECK_EQ_INT(s.blocks, 16);
     CHECK_EQ_INT(s.kernels, kernels == 2 && topk <= 32 ? 2 : 1);
+    CHECK_EQ_INT(s.release, 1); /* EPX_LL_RELEASE's default */
     size_t two = s.kernels == 2, one = 1 - two, E = (size_t)experts, k = (size_t)topk;
 
     /* Symmetric heap: the flags, then two slots with the same inner layout; the cells
@@ -124,8 +125,9 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
     size_t results = check_regions(local_regions, sizeof(local_regions) / sizeof(local_regions[0]));
     CHECK(s.local_slot_bytes >= results);
     CHECK_EQ_INT(s.local_slot_bytes % 256, 0);
-    /* seq, released, arrive, mask + claim, peers, then arrived and combine_arrived. */
-    size_t state = 6 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8 +
+    /* seq, released, combined, arrive, mask + claim, peers, then arrived and
+     * combine_arrived. */
+    size_t state = 8 * 8 + 8 * 4 + ((size_t)world + 1) * 4 + 4 + (size_t)world * 8 +
                    4 * (size_t)world * 8;
     CHECK(local >= 2 * s.local_slot_bytes + state);
 
@@ -213,8 +215,44 @@ static void check_wait_stats_kernels(void)
     }
 }
 
+/*
+ * EPX_LL_RELEASE reaches the shape of kernels 2 only (kernels 1 have done flags alone), and
+ * the vote before the symmetric heap finds the first rank whose settings differ.
+ */
+static void check_release(void)
+{
+    struct epx_group g = cuda_plan_group(0, 4, 4);
+    epx_buffer_config_t c = make_config(128, 7168, 256, 8);
+    epx_ll_shape_t s;
+    size_t sym = 0, local = 0;
+    setenv("EPX_LL_RELEASE", "2", 1);
+    for (int which = 1; which <= 2; which++) {
+        use_kernels(which);
+        CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
+        CHECK_EQ_INT(s.kernels, which);
+        CHECK_EQ_INT(s.release, which == 2 ? 2 : 1);
+    }
+    unsetenv("EPX_LL_RELEASE");
+
+    epx__cuda_ll_vote_t votes[4];
+    for (int r = 0; r < 4; r++)
+        votes[r] = (epx__cuda_ll_vote_t){0, 2, 1};
+    CHECK_EQ_INT(epx__cuda_ll_settings_differ(votes, 4), -1);
+    CHECK_EQ_INT(epx__cuda_ll_settings_differ(votes, 1), -1);
+    votes[3].release = 2;
+    CHECK_EQ_INT(epx__cuda_ll_settings_differ(votes, 4), 3);
+    votes[2].kernels = 1;
+    CHECK_EQ_INT(epx__cuda_ll_settings_differ(votes, 4), 2);
+    /* Rank 0 is the reference: when it alone differs, rank 1 is named. */
+    for (int r = 0; r < 4; r++)
+        votes[r] = (epx__cuda_ll_vote_t){0, 2, 2};
+    votes[0].release = 1;
+    CHECK_EQ_INT(epx__cuda_ll_settings_differ(votes, 4), 1);
+}
+
 int main(void)
 {
+    check_release();
     for (int which = 1; which <= 2; which++) {
         use_kernels(which);
         check_plan(8, 1, 128, 7168, 256, 8, EPX_DTYPE_BF16);

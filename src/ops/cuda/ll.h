@@ -23,6 +23,20 @@ typedef struct {
     int dispatch_received, combine_received;
 } epx__cuda_ll_slot_t;
 
+/*
+ * One rank's low-latency settings, as the vote before the symmetric heap gathers them:
+ * every rank must run the same kernels (EPX_LL_KERNELS as its config gets them) and give
+ * slots back the same way (EPX_LL_RELEASE; 1 with kernels 1).
+ */
+typedef struct {
+    int32_t status; /* the vote's (epx__bootstrap_vote) */
+    int32_t kernels;
+    int32_t release;
+} epx__cuda_ll_vote_t;
+
+/* The lowest rank whose settings differ from rank 0's in votes[world_size], or -1. */
+int epx__cuda_ll_settings_differ(const epx__cuda_ll_vote_t *votes, int world_size);
+
 typedef struct epx__cuda_ll {
     const epx_ll_plugin_t *plugin;
     epx_ll_shape_t shape;  /* device addresses */

@@ -107,6 +107,7 @@ epx_status_t epx__cuda_ll_plan(epx_group_t group, const epx_buffer_config_t *con
     s->may_put = group->ranks_per_node < R || epx__param_int(EPX_PARAM_LL_FORCE_PUTS) != 0;
 
     s->kernels = choose_kernels(config, R);
+    s->release = s->kernels == 2 ? (int)epx__param_int(EPX_PARAM_LL_RELEASE) : 1;
 
     size_t L = (size_t)s->num_local, rows = (size_t)s->rows, S = (size_t)s->scale_cols;
     size_t cells = L * (size_t)R * (size_t)m, k = (size_t)s->topk, H = (size_t)s->hidden;
@@ -186,13 +187,12 @@ void epx__cuda_nvshmem_release(int healthy)
     epx__nvshmem_user_end(healthy);
 }
 
-/* Kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV), how slots are given back
- * (EPX_LL_RELEASE), the receive's copy stages and its shared memory (the plugin's prepare). */
+/* Kernels 2: the combine receive's loads (EPX_LL_COMBINE_RECV), its copy stages and its
+ * shared memory (the plugin's prepare). */
 static epx_status_t prepare_kernels2(epx__cuda_ll_t *ll)
 {
     epx_ll_shape_t *s = &ll->shape;
     s->combine_recv = (int)epx__param_int(EPX_PARAM_LL_COMBINE_RECV);
-    s->release = (int)epx__param_int(EPX_PARAM_LL_RELEASE);
     int err = ll->plugin->prepare(s);
     if (err != cudaSuccess)
         return EPX_CUDA_ERROR((cudaError_t)err,
@@ -312,6 +312,45 @@ static epx_status_t create_memory(epx_buffer_t buffer, epx__cuda_ll_t *ll)
     return EPX_SUCCESS;
 }
 
+int epx__cuda_ll_settings_differ(const epx__cuda_ll_vote_t *votes, int world_size)
+{
+    for (int r = 1; r < world_size; r++)
+        if (votes[r].kernels != votes[0].kernels || votes[r].release != votes[0].release)
+            return r;
+    return -1;
+}
+
+/*
+ * The vote before the symmetric heap: every rank's status and the settings its kernels
+ * run with. Ranks that ran different kernels, or gave slots back differently, would wait
+ * for each other's flags until their timeouts; every rank refuses the buffer instead,
+ * naming the settings.
+ */
+static epx_status_t vote_settings(epx_group_t group, const epx__cuda_ll_t *ll,
+                                  epx_status_t status)
+{
+    epx__cuda_ll_vote_t mine = {0, 0, 0};
+    if (ll != NULL) {
+        mine.kernels = ll->shape.kernels;
+        mine.release = ll->shape.release;
+    }
+    epx__cuda_ll_vote_t *all = calloc((size_t)group->world_size, sizeof(*all));
+    if (all == NULL)
+        return EPX_ERROR(EPX_ERR_OUT_OF_MEMORY, "buffer_create: out of host memory");
+    status = epx__bootstrap_vote(group->bootstrap, group->world_size, status, &mine, all,
+                                 sizeof(mine), "buffer_create", "could not set up NVSHMEM");
+    int r = status == EPX_SUCCESS ? epx__cuda_ll_settings_differ(all, group->world_size) : -1;
+    if (r >= 0)
+        status = EPX_ERROR(EPX_ERR_INVALID_ARG,
+                           "buffer_create: the ranks' low-latency settings differ: rank 0 runs "
+                           "kernels %d (EPX_LL_KERNELS) giving slots back by form %d "
+                           "(EPX_LL_RELEASE), rank %d kernels %d and form %d; every rank must "
+                           "set the same values",
+                           all[0].kernels, all[0].release, r, all[r].kernels, all[r].release);
+    free(all);
+    return status;
+}
+
 epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__cuda_ll_t **out)
 {
     *out = NULL;
@@ -328,9 +367,10 @@ epx_status_t epx__cuda_ll_create(epx_buffer_t buffer, epx_status_t status, epx__
     status = epx__nvshmem_setup(&ranks, group, ll != NULL ? ll->sym_bytes : 0, status);
     if (status == EPX_SUCCESS)
         status = find_kernels(&ll->plugin);
-    /* nvshmem_malloc below is collective: a rank whose plugin lacks the kernels must not
-     * leave its peers waiting there, so all learn it first. */
-    status = epx__cuda_vote(group, status, "buffer_create", "could not set up NVSHMEM");
+    /* nvshmem_malloc below is collective: a rank whose plugin lacks the kernels, or whose
+     * settings differ from its peers', must not leave them waiting there (or later, in
+     * the kernels), so all learn it first. */
+    status = vote_settings(group, ll, status);
     if (status != EPX_SUCCESS) {
         free(ll);
         return status;
