@@ -5,9 +5,12 @@
  */
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bad_input.h"
+#include "core/core.h"
+#include "epx_tool.h"
 #include "mem.h"
 #include "test_util.h"
 
@@ -94,6 +97,49 @@ static void run_bad_combine(void)
 }
 
 /* Buffer creation: a config every rank rejects, and configs that differ between ranks. */
+/* This process's EPX_* table read again with `name` set to `value` (NULL: unset). */
+static void reload_params(const char *name, const char *value)
+{
+    if (value != NULL)
+        setenv(name, value, 1);
+    else
+        unsetenv(name);
+    epx__params_reset();
+    CHECK_OK(epx_params_load());
+}
+
+/*
+ * CUDA: rank 1's low-latency kernels set differently from rank 0's (EPX_LL_RELEASE, or
+ * EPX_LL_KERNELS where kernels 1 are in force, which give slots back one way only): every
+ * rank's epx_buffer_create refuses, naming both ranks' values, where the kernels would
+ * otherwise wait for flags that never come. Then, set alike again, a buffer is made.
+ */
+static void run_ll_settings_differ(epx_buffer_config_t config)
+{
+    epx_param_info_t kernels = EPX_PARAM_INFO_INIT;
+    CHECK_OK(epx_param_find("EPX_LL_KERNELS", &kernels));
+    const char *name = kernels.int_value == 1 ? "EPX_LL_KERNELS" : "EPX_LL_RELEASE";
+    const char *was = getenv(name);
+    char saved[32] = "";
+    if (was != NULL)
+        snprintf(saved, sizeof(saved), "%s", was);
+    epx_param_info_t now = EPX_PARAM_INFO_INIT;
+    CHECK_OK(epx_param_find(name, &now));
+    if (bi_info.rank == 1)
+        reload_params(name, now.int_value == 1 ? "2" : "1");
+    config.max_low_latency_tokens = 4;
+    epx_buffer_t buffer = NULL;
+    bi_expect("buffer_create: rank 1's low-latency kernel settings differ",
+              epx_buffer_create(bi_group, &config, &buffer), EPX_ERR_INVALID_ARG,
+              "low-latency settings differ");
+    CHECK_ERROR_MENTIONS(name);
+    CHECK(buffer == NULL);
+    if (bi_info.rank == 1)
+        reload_params(name, was != NULL ? saved : NULL);
+    CHECK_OK(epx_buffer_create(bi_group, &config, &buffer));
+    CHECK_OK(epx_buffer_destroy(buffer));
+}
+
 static void run_bad_configs(void)
 {
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;
@@ -128,6 +174,10 @@ static void run_bad_configs(void)
                   epx_status_name(got), epx_last_error());
     bi_expect("buffer_create: rank 1's low_latency_dtype differs", got, got, peer);
     CHECK(buffer == NULL);
+    if (bi_info.backend == EPX_BACKEND_CUDA) {
+        config.low_latency_dtype = EPX_DTYPE_BF16;
+        run_ll_settings_differ(config);
+    }
 
     /* Combine's exchange for inputs mapped on demand runs only if every rank runs it. */
     config.max_low_latency_tokens = 0;
