@@ -448,7 +448,8 @@ void moe_combine_row(const moe_case_t *c, int recv_rank, int src_rank, int64_t s
     }
     /* The stream folds in the receiving rank so each rank's row differs. */
     uint64_t stream = STREAM_COMBINE + ((uint64_t)recv_rank << 8);
-    uint64_t key = random_row_key(c->seed, (uint64_t)src_rank, stream, (uint64_t)src_token);
+    uint64_t seed = c->combine_salt == 0 ? c->seed : moe_splitmix64(c->seed ^ c->combine_salt);
+    uint64_t key = random_row_key(seed, (uint64_t)src_rank, stream, (uint64_t)src_token);
     for (int64_t i = 0; i < c->hidden; i++)
         row[i] = moe_float_to_bf16(random_symmetric4(random_bits16_in_row(key, i)));
 }

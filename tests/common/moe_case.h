@@ -37,6 +37,9 @@ typedef struct {
     int cancelling_rows;     /* combine rows (moe_combine_row): a token's lowest and highest
                                 receivers send +2^16 and -2^16 (when it has three or more),
                                 so that its sum depends on the order of the additions */
+    uint64_t combine_salt;   /* 0, or another set of combine rows (moe_combine_row) for the
+                                same inputs and routing: a step combined again with other
+                                expert outputs */
 } moe_case_t;
 
 /* One rank's inputs, host memory. x is bf16 (uint16 bits) or fp8 bytes. */

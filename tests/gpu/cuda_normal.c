@@ -233,7 +233,7 @@ static void run_dtype(epx_group_t group, const epx_group_info_t *info, epx_dtype
                     (int)flag_value(argc, argv, "--experts", 256),
                     (int)flag_value(argc, argv, "--topk", 8), dtype, 1,
                     (uint64_t)flag_value(argc, argv, "--seed", 7), MOE_ROUTING_RANDOM, 0.0, -1,
-                    info->ranks_per_node, 0};
+                    info->ranks_per_node, 0, 0};
     int check = (int)flag_value(argc, argv, "--check", 1);
     int warmup = (int)flag_value(argc, argv, "--warmup", 5);
     int iters = (int)flag_value(argc, argv, "--iters", 20);

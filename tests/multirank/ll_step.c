@@ -16,7 +16,7 @@ void ll_step_init(ll_step_t *s, const ll_shape_t *shape, int rank, uint64_t seed
     s->rank = rank;
     s->c = (moe_case_t){shape->world_size, shape->max_tokens, shape->hidden,
                         shape->experts_per_rank * shape->world_size, shape->topk,
-                        EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.2, -1, 0, 0};
+                        EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.2, -1, 0, 0, 0};
     CHECK_EQ_INT(moe_ll_inputs_make(&s->c, rank, &s->in), 0);
     size_t bytes = (size_t)(shape->max_tokens * shape->hidden) * 2;
     s->out = malloc(bytes);

@@ -146,7 +146,7 @@ static int run_child(int argc, char **argv, const char *variant)
     epx_group_t group = mr_group_create(argc, argv, &info);
     int rank = info.rank;
     moe_case_t c = {NUM_RANKS, 48, 256, 4 * NUM_RANKS, 4, EPX_DTYPE_BF16, 1, 77,
-                    MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0};
+                    MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0, 0};
     CHECK_EQ_INT(info.world_size, NUM_RANKS);
     int per_node = atoi(mr_flag(argc, argv, "--ranks-per-node", "0"));
     CHECK_EQ_INT(info.ranks_per_node, per_node > 0 ? per_node : NUM_RANKS);

@@ -7,7 +7,7 @@
  * and a duplicated expert; an empty rank; fp8 on buffers sized for fp8 rows
  * (config.low_latency_dtype = FP8_E4M3); EPX_LL_SEND_ONLY with receive; two steps in
  * flight with step 0's combine after step 1's dispatch, through the zero-copy combine
- * buffer; every misuse error (which must leave the buffer usable); the receives' wait
+ * buffer, and a step combined again (the same outputs, then others); every misuse error (which must leave the buffer usable); the receives' wait
  * times (wait_recv_cost_stats: a rank that starts late stands out on the others); a
  * masked rank (with two or more ranks; it adds no wait time). Values are compared
  * exactly (same algorithm, same rounding).
@@ -571,6 +571,16 @@ static void run_overlap(void)
         step_poison_out(&s1);
         CHECK_OK(step_combine(buffer, &s1, x1, 0, NULL));
         check_combine(&s1, NULL, NULL);
+        /* Again with other expert outputs (copied in while the peers may still read the
+         * last ones: on the GPU the second combine of a step waits until every peer's
+         * previous combine has ended): the sums of the new outputs. */
+        step_poison_out(&s1);
+        s1.c.combine_salt = 1 + (uint64_t)round;
+        void *x2 = alloc_expert_outputs(&s1);
+        CHECK_OK(step_combine(buffer, &s1, x2, 0, NULL));
+        check_combine(&s1, NULL, NULL);
+        s1.c.combine_salt = 0;
+        mr_mem_free(x2);
         check_no_async_error(buffer, "overlap");
         mr_mem_free(x1);
         step_free(&s0);

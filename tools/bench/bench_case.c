@@ -677,7 +677,7 @@ int epx__bench_run_case(epx_group_t group, const epx__bench_options_t *options,
     bc.world_size = info.world_size;
     moe_case_t moe = {info.world_size, options->tokens, options->hidden, options->experts,
                       options->topk, dtype, options->alignment, options->seed,
-                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0};
+                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0, 0};
     bc.moe = moe;
     bc.scale_cols = options->hidden / 128;
     snprintf(bc.label, sizeof(bc.label), "rank %d %s", bc.rank,

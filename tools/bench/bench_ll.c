@@ -245,7 +245,7 @@ static int run_case(epx_group_t group, epx_buffer_t buffer, const epx__bench_opt
      * split is normal-mode combine's; moe_ll.c has the low-latency order). */
     moe_case_t moe = {info.world_size, options->tokens, options->hidden, options->experts,
                       options->topk, EPX_DTYPE_BF16, 1, options->seed, MOE_ROUTING_RANDOM,
-                      0.0, -1, 0, 0};
+                      0.0, -1, 0, 0, 0};
     lc.moe = moe;
     if (dtype == EPX_DTYPE_FP8_E4M3) {
         lc.cast.use_fp8 = 1;

@@ -40,7 +40,7 @@ void epx__bench_nodes_report(epx_group_t group, int64_t tokens, int64_t hidden, 
     epx__bench_must(-1, epx_group_get_info(group, &info), "epx_group_get_info");
     /* The timed case's inputs (bench_case.c): the routing depends on the seed only. */
     moe_case_t moe = {info.world_size, tokens, hidden, experts, topk, dtype, 1, seed,
-                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0};
+                      MOE_ROUTING_RANDOM, 0.0, -1, info.ranks_per_node, 0, 0};
     epx__bench_nodes_shape_t shape = {info.world_size, info.ranks_per_node, experts, topk,
                                       hidden, dtype};
     int64_t mine_tokens = moe_tokens_of_rank(&moe, info.rank);

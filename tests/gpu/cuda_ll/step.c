@@ -29,7 +29,7 @@ void step_make(step_t *s, const shape_t *shape, uint64_t seed, moe_ll_cast_t cas
     s->cast = cast;
     s->mask = mask;
     moe_case_t c = {g_world, shape->tokens, shape->hidden, shape->experts_per_rank * g_world,
-                    shape->topk, EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.1, -1, 0, 0};
+                    shape->topk, EPX_DTYPE_BF16, 1, seed, MOE_ROUTING_RANDOM, 0.1, -1, 0, 0, 0};
     s->c = c;
     if (moe_ll_inputs_make(&s->c, g_rank, &s->in) != 0 ||
         moe_ll_oracle_dispatch(&s->c, g_rank, shape->max_tokens, mask, cast, &s->e) != 0) {
