@@ -96,7 +96,6 @@ static void run_bad_combine(void)
     bi_teardown(&f);
 }
 
-/* Buffer creation: a config every rank rejects, and configs that differ between ranks. */
 /* This process's EPX_* table read again with `name` set to `value` (NULL: unset). */
 static void reload_params(const char *name, const char *value)
 {
@@ -140,6 +139,7 @@ static void run_ll_settings_differ(epx_buffer_config_t config)
     CHECK_OK(epx_buffer_destroy(buffer));
 }
 
+/* Buffer creation: a config every rank rejects, and configs that differ between ranks. */
 static void run_bad_configs(void)
 {
     epx_buffer_config_t config = EPX_BUFFER_CONFIG_INIT;

@@ -7,10 +7,11 @@
  * and a duplicated expert; an empty rank; fp8 on buffers sized for fp8 rows
  * (config.low_latency_dtype = FP8_E4M3); EPX_LL_SEND_ONLY with receive; two steps in
  * flight with step 0's combine after step 1's dispatch, through the zero-copy combine
- * buffer, and a step combined again (the same outputs, then others); every misuse error (which must leave the buffer usable); the receives' wait
- * times (wait_recv_cost_stats: a rank that starts late stands out on the others); a
- * masked rank (with two or more ranks; it adds no wait time). Values are compared
- * exactly (same algorithm, same rounding).
+ * buffer, and a step combined again (the same outputs, then others); every misuse error
+ * (which must leave the buffer usable); the receives' wait times (wait_recv_cost_stats:
+ * a rank that starts late stands out on the others); a masked rank (with two or more
+ * ranks; it adds no wait time). Values are compared exactly (same algorithm, same
+ * rounding).
  *
  * Inputs and outputs live in the backend's memory (mem.h): host memory on the host
  * backend, device memory on the CUDA backend, where the results are views into device

@@ -48,6 +48,7 @@
 
 #define EPX_MICROBENCH_NAME "epx_ll_access"
 #include "check_cuda.h"
+#include "ops/cuda/device.cuh" /* the combine's sum, epx_bf16x8_fma */
 
 namespace {
 
@@ -107,17 +108,6 @@ __global__ void __launch_bounds__(kThreads) gather(const char *const *rows, char
     }
 }
 
-/* acc[i] += w * (bf16 i of v), i = 0..7, in fp32 (the combine's epx_bf16x8_fma). */
-__device__ __forceinline__ void fma_bf16x8(float *acc, float w, const int4 &v)
-{
-    const uint32_t words[4] = {(uint32_t)v.x, (uint32_t)v.y, (uint32_t)v.z, (uint32_t)v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        acc[2 * i] = fmaf(w, __uint_as_float(words[i] << 16), acc[2 * i]);
-        acc[2 * i + 1] = fmaf(w, __uint_as_float(words[i] & 0xffff0000u), acc[2 * i + 1]);
-    }
-}
-
 __device__ __forceinline__ int4 to_bf16x8(const float *acc)
 {
     int4 packed;
@@ -158,8 +148,8 @@ __device__ __forceinline__ void fma_sum(const fma_unit_t &v, const float *weight
     }
 #pragma unroll
     for (int j = 0; j < kTopk; j++) {
-        fma_bf16x8(acc0, weight[entry + j], v.lo[j]);
-        fma_bf16x8(acc1, weight[entry + j], v.hi[j]);
+        epx_bf16x8_fma(acc0, weight[entry + j], v.lo[j]);
+        epx_bf16x8_fma(acc1, weight[entry + j], v.hi[j]);
     }
     char *o = out + (size_t)(t0 + u / kChunks) * kRowBytes;
     reinterpret_cast<int4 *>(o)[c0 / 8] = to_bf16x8(acc0);

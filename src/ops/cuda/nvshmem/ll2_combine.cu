@@ -404,8 +404,8 @@ __device__ void reduce_batch_loads(const epx_ll_shape_t &s, const epx_ll_op_t &o
  * system-scope fence for both flags, where a release store each costs a fence each (about
  * 4 us a fence here, docs/PERFORMANCE.md). ok: the expert ranks that answered.
  */
-__device__ void tell_done(const epx_ll_shape_t &s, const int32_t *ok, const int32_t *sent_rows,
-                          int slot, uint64_t seq, int give_back)
+__device__ void tell_done(const epx_ll_shape_t &s, const int32_t *ok, int slot, uint64_t seq,
+                          int give_back)
 {
     const int R = s.world;
     const uint64_t give = give_back ? epx_ll_seq(s, slot, 0) : 0;
@@ -414,10 +414,8 @@ __device__ void tell_done(const epx_ll_shape_t &s, const int32_t *ok, const int3
         const int unmasked = !*reinterpret_cast<volatile int32_t *>(s.mask + r);
         char *peer = s.peer[r];
         if (peer == NULL) {
-            if (ok[r]) {
-                s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
+            if (ok[r])
                 epx_ll_signal(s, r, EPX_LL_KIND_COMBINE_DONE, slot, seq);
-            }
             if (giving && unmasked)
                 epx_ll_signal(s, r, EPX_LL_KIND_DISPATCH_DONE, slot, give);
             continue;
@@ -500,20 +498,17 @@ __device__ void combine_recv(const epx_ll_shape_t &s, const epx_ll_op_t &op, uin
     if (!epx_last_block_reader(s.arrive + slot * 4 + EPX_LL_ARRIVE_COMBINE_RECV, &last))
         return;
     /* Every block is done reading the expert ranks' memory, and read the counters' bases
-     * and the sequence number before counting itself. */
-    if (epx_ll2_inferred(s)) {
-        /* Nothing is sent: the expert ranks learn that their slot is free from this rank's
-         * next dispatch into it (ll2_device.cuh, "slot releases"). When block 0's send
-         * left the give-back to the end (give_back: fused, nothing moved), it is
-         * recorded here. */
-        for (int r = threadIdx.x; r < R; r += blockDim.x)
-            if (s.peer[r] == NULL && m.ok[r])
-                s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
-        if (give_back)
-            epx_ll2_give_back(s, slot, epx_ll_seq(s, slot, 0));
-    } else {
-        tell_done(s, m.ok, sent_rows, slot, seq, give_back);
-    }
+     * and the sequence number before counting itself: the rows pushed are counted. */
+    for (int r = threadIdx.x; r < R; r += blockDim.x)
+        if (s.peer[r] == NULL && m.ok[r])
+            s.combine_arrived[slot * R + r] += (uint64_t)sent_rows[r];
+    /* Inferred, nothing is sent: the expert ranks learn that their slot is free from this
+     * rank's next dispatch into it (ll2_device.cuh, "slot releases"); a give-back block 0's
+     * send left to the end (give_back: fused, nothing moved) is recorded. */
+    if (!epx_ll2_inferred(s))
+        tell_done(s, m.ok, slot, seq, give_back);
+    else if (give_back)
+        epx_ll2_give_back(s, slot, epx_ll_seq(s, slot, 0));
     if (fused && threadIdx.x == 0)
         s.seq[slot * 2 + 1] = seq;
     epx_ll2_trace(s, EPX_LL_TRACE_COMBINE, slot, seq, EPX_LL_TR_C_DONE);
