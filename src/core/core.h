@@ -129,10 +129,10 @@ void epx__log_set_rank(int rank);
     X(LL_COMBINE_RECV, INT, 2, 1, 2,                                                        \
       "Low-latency kernels 2, combine receive: 1 = cp.async stages through shared memory, " \
       "2 = loads into registers, 16 a lane in flight (faster, docs/PERFORMANCE.md)")       \
-    X(LL_RELEASE, INT, 1, 1, 2,                                                             \
+    X(LL_RELEASE, INT, 2, 1, 2,                                                             \
       "Low-latency kernels 2, how a slot is given back: 1 = \"done\" flags at the end of "   \
       "each combine, 2 = inferred from the next dispatch and the outputs-ready flags (one " \
-      "system-scope release round a step fewer; every rank must set the same)")           \
+      "system-scope release round a step fewer, faster; every rank must set the same)")   \
     X(LL_TRACE, STRING, "", 0, 0,                                                           \
       "Developers: low-latency kernels 2 record phase times; written to <value>.<rank> when " \
       "the buffer is destroyed (scripts/ll-trace reads them)")                              \

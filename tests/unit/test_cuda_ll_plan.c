@@ -78,7 +78,7 @@ static void check_plan(int world, int nodes, int64_t m, int64_t hidden, int expe
     CHECK_EQ_INT(s.timeout_ns, 1000000000ll);
     CHECK_EQ_INT(s.blocks, 16);
     CHECK_EQ_INT(s.kernels, kernels == 2 && topk <= 32 ? 2 : 1);
-    CHECK_EQ_INT(s.release, 1); /* EPX_LL_RELEASE's default */
+    CHECK_EQ_INT(s.release, s.kernels == 2 ? 2 : 1); /* EPX_LL_RELEASE's default: 2 */
     size_t two = s.kernels == 2, one = 1 - two, E = (size_t)experts, k = (size_t)topk;
 
     /* Symmetric heap: the flags, then two slots with the same inner layout; the cells
@@ -225,12 +225,14 @@ static void check_release(void)
     epx_buffer_config_t c = make_config(128, 7168, 256, 8);
     epx_ll_shape_t s;
     size_t sym = 0, local = 0;
-    setenv("EPX_LL_RELEASE", "2", 1);
-    for (int which = 1; which <= 2; which++) {
-        use_kernels(which);
-        CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
-        CHECK_EQ_INT(s.kernels, which);
-        CHECK_EQ_INT(s.release, which == 2 ? 2 : 1);
+    for (int form = 1; form <= 2; form++) {
+        setenv("EPX_LL_RELEASE", form == 2 ? "2" : "1", 1);
+        for (int which = 1; which <= 2; which++) {
+            use_kernels(which);
+            CHECK_OK(epx__cuda_ll_plan(&g, &c, &s, &sym, &local));
+            CHECK_EQ_INT(s.kernels, which);
+            CHECK_EQ_INT(s.release, which == 2 ? form : 1);
+        }
     }
     unsetenv("EPX_LL_RELEASE");
 

@@ -135,14 +135,15 @@ __device__ __forceinline__ int epx_ll2_wait_count(const epx_ll_shape_t &s, const
 /*
  * How a slot is given back (EPX_LL_RELEASE, shape.release; every rank the same):
  *
- * 1 (the default): "done" flags. The receive's last block of each combine tells every
- * expert rank that its combine input is free (COMBINE_DONE) and gives the step's dispatch
- * results back (DISPATCH_DONE), behind one system-scope fence; the next combine of the
- * slot waits for COMBINE_DONE, the next dispatch into it for DISPATCH_DONE.
+ * 1: "done" flags (the default until 2026-12-06, kept for A/B runs). The receive's last
+ * block of each combine tells every expert rank that its combine input is free
+ * (COMBINE_DONE) and gives the step's dispatch results back (DISPATCH_DONE), behind one
+ * system-scope fence; the next combine of the slot waits for COMBINE_DONE, the next
+ * dispatch into it for DISPATCH_DONE.
  *
- * 2: inferred. No flags at the end of a combine, one system-scope release round a step
- * fewer (about 4 us with 8 processes on one GPU). What those flags said is read from
- * messages every rank sends anyway:
+ * 2 (the default): inferred. No flags at the end of a combine, one system-scope release
+ * round a step fewer (5-15 us a step on an H100 with 8 processes, docs/PERFORMANCE.md).
+ * What those flags said is read from messages every rank sends anyway:
  * - The combine input (and, for peers reached by puts, the home's combine staging) of a
  *   slot is free again once every home rank has ended its combines of the slot's step n.
  *   A home's reads end with its combine kernel; its dispatch n + 2 (the same slot) comes
